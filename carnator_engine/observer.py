@@ -1,0 +1,71 @@
+"""The engine side of a generation: what a backbone reports while it denoises, and how it attends.
+
+A runner (the engine's own Euler loop, or ComfyUI's samplers through wrappers) calls
+`begin_step` before each model evaluation and `step_end` after it; a backbone adapter calls
+`block_output` after each transformer block and routes its self-attention through
+`self_attention`. Each optional part records or changes one thing, so a phase of the pipeline
+builds the observer it needs (probe: signature; miss: checkpoints + connectivity; hit:
+checkpoints + sparse attention).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+@dataclass
+class CheckpointRecorder:
+    """Keeps the latent *entering* each chosen step, on the CPU in fp16 (VRAM stays free)."""
+
+    steps: frozenset
+    latents: dict = field(default_factory=dict)
+
+    def record(self, step: int, x: torch.Tensor) -> None:
+        if step in self.steps:
+            self.latents[step] = x.detach().to("cpu", torch.float16)
+
+
+@dataclass
+class GenerationObserver:
+    signature: Optional[object] = None      # signature.SignatureRecorder
+    connectivity: Optional[object] = None   # connectivity.ConnectivityRecorder
+    checkpoints: Optional[CheckpointRecorder] = None
+    sparse: Optional[object] = None         # sparse_attention.BlockSparseAttention
+    step: int = -1
+    model_calls: int = 0
+    last_denoised: Optional[torch.Tensor] = None
+
+    def begin_step(self, step: int, x: torch.Tensor) -> None:
+        self.step = step
+        self.model_calls += 1
+        if self.checkpoints is not None:
+            self.checkpoints.record(step, x)
+
+    def block_output(self, block_index: int, hidden: torch.Tensor) -> None:
+        if self.signature is not None:
+            self.signature.block_output(self.step, block_index, hidden)
+
+    def self_attention(self, block_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       dense: AttentionFn = dense_attention) -> torch.Tensor:
+        """q, k, v: [B, heads, L, D], tokens frame-major. Returns [B, heads, L, D]."""
+        if self.signature is not None:
+            self.signature.self_attention(self.step, block_index, q, k)
+        if self.connectivity is not None:
+            self.connectivity.self_attention(self.step, block_index, q, k)
+        if self.sparse is not None and self.sparse.has_block(block_index):
+            return self.sparse.attend(block_index, q, k, v)
+        return dense(q, k, v)
+
+    def step_end(self, step: int, x_next: torch.Tensor, denoised: torch.Tensor) -> None:
+        self.last_denoised = denoised
+        if self.signature is not None:
+            self.signature.denoised(step, denoised)
