@@ -25,6 +25,12 @@ class TinyDiTRunner:
         with torch.no_grad():
             self.text = model.encode_prompts(prompts)
         self.model_fingerprint = module_fingerprint(model)
+        self.sampler = f"euler/cfg={guidance_scale:g}"
+
+    @staticmethod
+    def preview(latent: torch.Tensor) -> torch.Tensor:
+        """The tiny DiT works in pixel space: the middle frame is the preview."""
+        return latent[0, :, latent.shape[2] // 2].clamp(-1, 1)
 
     @torch.no_grad()
     def velocity(self, x: torch.Tensor, sigma: float, observer) -> torch.Tensor:

@@ -61,7 +61,7 @@ class GenerationObserver:
             self.signature.self_attention(self.step, block_index, q, k)
         if self.connectivity is not None:
             self.connectivity.self_attention(self.step, block_index, q, k)
-        if self.sparse is not None and self.sparse.has_block(block_index):
+        if self.sparse is not None and block_index in self.sparse.connectivities:
             return self.sparse.attend(block_index, q, k, v)
         return dense(q, k, v)
 

@@ -1,0 +1,43 @@
+"""Records a full generation's block-level attention connectivity for later sparse reuse.
+
+Sparse-attention masks of video DiTs are stable across the later denoising steps and across
+similar inputs, so one recording, taken once the layout has settled, serves every step a hit resumes.
+Stored as plain boolean tensors (safetensors), one table per transformer block.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sparse_attention import (BlockSparseAttention, pooled_block_attention, select_connectivity,
+                               token_blocks_from_mask)
+
+BLOCK_SIZE_KEY = "block_size"
+
+
+class ConnectivityRecorder:
+    def __init__(self, record_step: int, block_size: int, mass: float):
+        self.record_step = record_step
+        self.block_size = block_size
+        self.mass = mass
+        self.connectivity: dict = {}
+
+    def self_attention(self, step: int, block_index: int, q, k) -> None:
+        if step == self.record_step:
+            pooled = pooled_block_attention(q, k, self.block_size)
+            self.connectivity[block_index] = select_connectivity(pooled, mass=self.mass).cpu()
+
+    def tensors(self) -> dict:
+        if not self.connectivity:
+            return {}
+        tables = {str(index): table for index, table in self.connectivity.items()}
+        return {**tables, BLOCK_SIZE_KEY: torch.tensor(self.block_size)}
+
+
+def plan_from_tensors(tensors: dict, target_tokens: torch.Tensor) -> BlockSparseAttention:
+    """The cached tables as an attention plan, dense for every block touching the target tokens."""
+    block_size = int(tensors[BLOCK_SIZE_KEY])
+    tables = {int(name): table.bool() for name, table in tensors.items() if name != BLOCK_SIZE_KEY}
+    plan = BlockSparseAttention(tables, block_size=block_size, seq_len=int(target_tokens.numel()))
+    dense = token_blocks_from_mask(target_tokens, block_size)
+    plan.set_dense_blocks(dense, dense)
+    return plan

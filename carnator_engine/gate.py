@@ -1,0 +1,143 @@
+"""Compatibility Gate: a risk-aware decision, from the model's own early states, to reuse or not.
+
+Text similarity never enters: two prompts that read alike ("driving left" / "driving right") are
+judged by what the model has already started to generate. A candidate is reused only if
+- the model reads both requests alike (pooled block states and attention structure agree), and
+- outside the target cells their early denoised estimates agree, and
+- the target cells (recomputed, not copied) are a small enough part of the clip.
+The resume step k shrinks as risk grows, and snaps to a step the entry holds a checkpoint for.
+Every decision carries its numbers and its reasons.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+from .localize import target_cells
+
+RISK_LEVELS = ("safe", "balanced", "aggressive")
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    max_hidden: float            # 1 - cosine of pooled block states
+    max_attention: float         # total-variation distance of pooled attention rows
+    max_context: float           # relative x0-hat difference outside the target cells
+    cell_threshold: float        # a cell whose relative x0-hat difference exceeds this is a target cell
+    max_target_fraction: float   # beyond this share of the clip, regenerating is the honest choice
+    max_resume_fraction: float   # the furthest resume step, as a share of all steps
+    min_saved_steps: int = 2     # a hit must save at least this many model calls
+
+    def validate(self) -> "GatePolicy":
+        checks = {"max_hidden": (0, 2), "max_attention": (0, 1), "max_context": (0, 10),
+                  "cell_threshold": (0, 10), "max_target_fraction": (0, 1), "max_resume_fraction": (0, 1)}
+        for name, (low, high) in checks.items():
+            value = getattr(self, name)
+            if not (low < value <= high) or math.isnan(value):
+                raise ValueError(f"gate setting {name}={value} is outside ({low}, {high}]: "
+                                 "use a value in that range or pick a risk level preset")
+        if self.min_saved_steps < 1:
+            raise ValueError(f"min_saved_steps must be >= 1, got {self.min_saved_steps}")
+        return self
+
+
+# Thresholds are relative distances, so they carry across backbones; their values were set on the
+# evaluation world (benchmarks/quality.py), where the truth of every generated attribute is known.
+RISK_POLICIES = {
+    "safe": GatePolicy(max_hidden=0.010, max_attention=0.08, max_context=0.20, cell_threshold=0.30,
+                       max_target_fraction=0.35, max_resume_fraction=0.45),
+    "balanced": GatePolicy(max_hidden=0.020, max_attention=0.12, max_context=0.30, cell_threshold=0.35,
+                           max_target_fraction=0.50, max_resume_fraction=0.55),
+    "aggressive": GatePolicy(max_hidden=0.040, max_attention=0.18, max_context=0.40, cell_threshold=0.40,
+                             max_target_fraction=0.65, max_resume_fraction=0.65),
+}
+
+
+def policy_for(risk: str, **overrides) -> GatePolicy:
+    if risk not in RISK_POLICIES:
+        raise ValueError(f"unknown risk level {risk!r}: choose one of {', '.join(RISK_LEVELS)}")
+    base = asdict(RISK_POLICIES[risk])
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return GatePolicy(**base).validate()
+
+
+@dataclass
+class Decision:
+    reuse: bool
+    risk: str
+    steps: int
+    probe_steps: int
+    resume_step: int                      # where the trajectory continues; probe_steps on a miss
+    entry_id: Optional[str] = None
+    target_cells: Optional[torch.Tensor] = None  # [Tg, Hg, Wg] bool, recomputed from the request's own state
+    numbers: dict = field(default_factory=dict)
+    reasons: list = field(default_factory=list)
+
+    @property
+    def model_calls(self) -> int:
+        return self.probe_steps + self.steps - self.resume_step
+
+    @property
+    def expected_speedup(self) -> float:
+        return self.steps / self.model_calls
+
+    def summary(self) -> dict:
+        return {"reuse": self.reuse, "risk": self.risk, "entry_id": self.entry_id, "steps": self.steps,
+                "probe_steps": self.probe_steps, "resume_step": self.resume_step,
+                "model_calls": self.model_calls, "expected_speedup": round(self.expected_speedup, 3),
+                "numbers": self.numbers, "reasons": self.reasons}
+
+
+def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
+    """Returns (resume_step or None, target cells, numbers, reasons) for one candidate."""
+    distance = candidate.distance
+    cells = target_cells(distance.cell_map, policy.cell_threshold)
+    fraction = cells.float().mean().item()
+    outside = distance.cell_map[~cells]
+    context = outside.pow(2).mean().sqrt().item() if outside.numel() else 0.0
+    numbers = {**distance.as_dict(), "context": round(context, 5), "target_fraction": round(fraction, 4)}
+    limits = [("pooled block states", distance.hidden, policy.max_hidden),
+              ("attention structure", distance.attention, policy.max_attention),
+              ("denoised estimate outside the target region", context, policy.max_context),
+              ("target region share", fraction, policy.max_target_fraction)]
+    reasons = []
+    for label, value, limit in limits:
+        verdict = "over" if value > limit else "within"
+        reasons.append(f"{label}: {value:.4f} {verdict} limit {limit:.4f}")
+    if any(value > limit for _, value, limit in limits):
+        return None, cells, numbers, reasons
+    risk = max(value / limit for _, value, limit in limits[:3])
+    furthest = int(policy.max_resume_fraction * steps)
+    wanted = probe_steps + int((furthest - probe_steps) * (1.0 - risk))
+    available = [s for s in candidate.record.checkpoint_steps if probe_steps < s <= wanted]
+    if not available or max(available) - probe_steps < policy.min_saved_steps:
+        reasons.append(f"no checkpoint between step {probe_steps + policy.min_saved_steps} and step {wanted} "
+                       "in this entry: too little to save")
+        return None, cells, numbers, reasons
+    resume = max(available)
+    numbers["risk_score"] = round(risk, 4)
+    reasons.append(f"risk {risk:.2f} of the limit: resume at step {resume} of {steps}")
+    return resume, cells, numbers, reasons
+
+
+def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, risk: str = "custom") -> Decision:
+    """Pick the candidate that saves the most model calls among those the policy accepts."""
+    if not candidates:
+        return Decision(False, risk, steps, probe_steps, probe_steps,
+                        reasons=["no earlier generation of this model, shape and schedule is in the cache"])
+    best, rejected = None, []
+    for candidate in candidates:
+        resume, cells, numbers, reasons = _assess(candidate, policy, steps, probe_steps)
+        if resume is None:
+            rejected.append((candidate.record.entry_id, numbers, reasons))
+        elif best is None or resume > best.resume_step:
+            best = Decision(True, risk, steps, probe_steps, resume, candidate.record.entry_id, cells, numbers,
+                            [f"reuse entry {candidate.record.entry_id} ('{candidate.record.prompt}')"] + reasons)
+    if best is not None:
+        return best
+    entry_id, numbers, reasons = rejected[0]
+    return Decision(False, risk, steps, probe_steps, probe_steps, numbers=numbers,
+                    reasons=[f"nearest entry {entry_id} rejected"] + reasons)

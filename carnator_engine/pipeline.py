@@ -1,0 +1,188 @@
+"""One request through Carnator: probe -> lookup -> gate -> resume (or continue) -> write-back.
+
+The four stages are separate functions so ComfyUI can expose each as a node; `generate` chains
+them. A runner is anything with `layout`, `model_fingerprint`, `sampler` (text naming everything
+else that shapes a trajectory: sampler, guidance), `run(x, sigmas, start, end, observer)` that
+runs steps [start, end) and returns the latent entering `end`, and `preview(latent)` giving an RGB
+frame [3, H, W] in [-1, 1] for the thumbnail.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from . import gate as gate_module
+from .connectivity import ConnectivityRecorder, plan_from_tensors
+from .index import Candidate, bucket_key, nearest
+from .localize import latent_mask
+from .observer import CheckpointRecorder, GenerationObserver
+from .preview import thumbnail_png
+from .resume import resume_latent
+from .signature import EarlySignature, SignatureRecorder
+from .store import CarnatorStore, StoreError, TrajectoryPayload
+
+log = logging.getLogger("carnator")
+
+
+@dataclass
+class CarnatorConfig:
+    probe_steps: int = 3
+    risk: str = "balanced"
+    block_size: int = 64            # tokens per attention block (128 on GPUs, FlexAttention's tile)
+    attention_mass: float = 0.9     # share of pooled attention the cached connectivity keeps
+    sparse_attention: bool = True   # ablation switch: resume with dense attention
+    localize: bool = True           # ablation switch: copy the whole cached latent, no target region
+    max_checkpoints: int = 12
+    lookup_limit: int = 3
+    gate_overrides: dict = field(default_factory=dict)
+
+    def policy(self) -> gate_module.GatePolicy:
+        return gate_module.policy_for(self.risk, **self.gate_overrides)
+
+    def validate(self, steps: int) -> None:
+        if not 1 <= self.probe_steps < steps:
+            raise ValueError(f"probe_steps={self.probe_steps} must be between 1 and steps-1 ({steps - 1}): "
+                             "the probe runs the first steps of the request")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.attention_mass <= 1.0:
+            raise ValueError(f"attention_mass={self.attention_mass} must be in (0, 1]")
+        if self.max_checkpoints < 1:
+            raise ValueError(f"max_checkpoints must be >= 1, got {self.max_checkpoints}")
+        self.policy()
+
+
+@dataclass
+class ProbeResult:
+    latent: torch.Tensor        # entering step probe_steps
+    denoised: torch.Tensor      # x0-hat from the last probe step
+    signature: EarlySignature
+    sigmas: torch.Tensor
+    probe_steps: int
+    bucket: str
+    seconds: float
+
+    @property
+    def steps(self) -> int:
+        return len(self.sigmas) - 1
+
+
+@dataclass
+class GenerationResult:
+    latent: torch.Tensor
+    decision: gate_module.Decision
+    model_calls: int
+    entry_id: Optional[str]
+    seconds: dict
+    warnings: list = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {**self.decision.summary(), "model_calls": self.model_calls, "stored_as": self.entry_id,
+                "seconds": {k: round(v, 4) for k, v in self.seconds.items()}, "warnings": self.warnings}
+
+
+def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list:
+    """Steps whose entering latent an entry keeps: every step a hit could resume at, thinned evenly."""
+    furthest = int(max(p.max_resume_fraction for p in gate_module.RISK_POLICIES.values()) * steps)
+    candidates = list(range(probe_steps + 1, furthest + 1))
+    if len(candidates) <= max_checkpoints:
+        return candidates
+    stride = len(candidates) / max_checkpoints
+    return sorted({candidates[min(len(candidates) - 1, int(round((i + 1) * stride)) - 1)]
+                   for i in range(max_checkpoints)})
+
+
+def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> ProbeResult:
+    steps = len(sigmas) - 1
+    config.validate(steps)
+    runner.layout.token_grid(noise.shape)  # raises a clear error for a latent of the wrong shape
+    started = time.perf_counter()
+    recorder = SignatureRecorder(config.probe_steps, config.block_size)
+    observer = GenerationObserver(signature=recorder)
+    x = noise * float(sigmas[0])
+    latent = runner.run(x, sigmas, 0, config.probe_steps, observer)
+    bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
+    return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
+                       time.perf_counter() - started)
+
+
+def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
+    return nearest(store, probed.bucket, probed.signature, config.lookup_limit)
+
+
+def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gate_module.Decision:
+    return gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk)
+
+
+def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
+              config: CarnatorConfig):
+    """Runs the rest of the trajectory; returns (latent, observer, connectivity state to store)."""
+    steps = probed.steps
+    keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
+                     if s > decision.resume_step)
+    observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
+    if not decision.reuse:
+        record_step = max(probed.probe_steps, int(0.3 * steps))
+        observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass)
+        latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, steps, observer)
+        return latent, observer, observer.connectivity.tensors()
+
+    record = store.record(decision.entry_id)
+    payload = store.trajectory(record)
+    k = decision.resume_step
+    fhw = probed.latent.shape[-3:]
+    if config.localize:
+        target = latent_mask(decision.target_cells, fhw)
+    else:
+        target = torch.zeros(tuple(fhw), dtype=torch.bool)
+    x = resume_latent(probed.latent, probed.denoised, float(probed.sigmas[probed.probe_steps]),
+                      float(probed.sigmas[k]), payload.checkpoints[k], target)
+    if config.sparse_attention and payload.connectivity:
+        observer.sparse = plan_from_tensors(payload.connectivity, runner.layout.tokens_from_latent_mask(target))
+    latent = runner.run(x, probed.sigmas, k, steps, observer)
+    store.record_hit(decision.entry_id, steps_saved=steps - decision.model_calls)
+    return latent, observer, payload.connectivity
+
+
+def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
+           config: CarnatorConfig, prompt: str = "", seed: int = 0) -> GenerationResult:
+    """Finishes the request (from the cache on a hit, from the probe state on a miss) and stores it."""
+    started = time.perf_counter()
+    latent, observer, connectivity = _continue(runner, probed, decision, store, config)
+    seconds = {"probe": probed.seconds, "resume": time.perf_counter() - started}
+    warnings, entry_id = [], None
+    written = time.perf_counter()
+    try:
+        entry_id = store.put(
+            bucket=probed.bucket, prompt=prompt, seed=seed, steps=probed.steps, probe_steps=probed.probe_steps,
+            signature=probed.signature,
+            payload=TrajectoryPayload(observer.checkpoints.latents, connectivity),
+            latent_shape=probed.latent.shape, thumbnail=thumbnail_png(runner.preview(latent)),
+            reused_from=decision.entry_id if decision.reuse else None,
+            extra={"decision": decision.summary()})
+    except StoreError as error:
+        warnings.append(f"not stored: {error}")
+        log.warning("carnator: %s", warnings[-1])
+    seconds["write_back"] = time.perf_counter() - written
+    return GenerationResult(latent, decision, probed.probe_steps + observer.model_calls, entry_id, seconds,
+                            warnings + store.drain_problems())
+
+
+def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorStore, config: CarnatorConfig,
+             prompt: str = "", seed: int = 0) -> GenerationResult:
+    probed = probe(runner, noise, sigmas, config)
+    started = time.perf_counter()
+    candidates = lookup(store, probed, config)
+    decision = decide(probed, candidates, config)
+    gate_seconds = time.perf_counter() - started
+    result = resume(runner, probed, decision, store, config, prompt, seed)
+    result.seconds["lookup_and_gate"] = gate_seconds
+    return result
+
+
+__all__ = ["CarnatorConfig", "ProbeResult", "GenerationResult", "Candidate", "probe", "lookup", "decide",
+           "resume", "generate", "checkpoint_steps"]

@@ -1,0 +1,117 @@
+"""Early Signature: what the model itself says about a request after the first few steps.
+
+Three views, each cheap to record and compare:
+- `hidden`: every transformer block's output, mean-pooled over tokens, at each probe step
+  (the model's semantic reading of prompt + noise);
+- `denoised`: the denoised estimate x0-hat after the last probe step on a coarse space-time grid
+  (layout, colours and motion already decided by the noise and prompt); its per-cell difference
+  is also what localizes target regions;
+- `attention`: the pooled block-to-block self-attention map of each block at the last probe step
+  (the structure sparse attention will rely on).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .sparse_attention import pooled_block_attention
+
+HIDDEN_FEATURES = 64
+ATTENTION_GRID = 16
+
+
+@dataclass
+class EarlySignature:
+    hidden: torch.Tensor     # [probe_steps, blocks, HIDDEN_FEATURES]
+    denoised: torch.Tensor   # [C, Tg, Hg, Wg]
+    attention: torch.Tensor  # [blocks, g, g], rows sum to 1
+
+    def to_tensors(self, prefix: str = "signature.") -> dict:
+        return {prefix + name: getattr(self, name).contiguous() for name in ("hidden", "denoised", "attention")}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict, prefix: str = "signature.") -> "EarlySignature":
+        return cls(*(tensors[prefix + name].float() for name in ("hidden", "denoised", "attention")))
+
+    def compatible_with(self, other: "EarlySignature") -> bool:
+        return (self.hidden.shape == other.hidden.shape and self.denoised.shape == other.denoised.shape
+                and self.attention.shape == other.attention.shape)
+
+
+def _reduce_features(pooled: torch.Tensor) -> torch.Tensor:
+    """[C] -> [HIDDEN_FEATURES] by averaging channel groups: keeps entries small for any width."""
+    return F.adaptive_avg_pool1d(pooled[None, None], HIDDEN_FEATURES)[0, 0]
+
+
+class SignatureRecorder:
+    """Collects the three views while the probe steps run (see GenerationObserver)."""
+
+    def __init__(self, probe_steps: int, block_size: int, grid: tuple = (8, 8, 8)):
+        if probe_steps < 1:
+            raise ValueError(f"probe_steps must be >= 1, got {probe_steps}")
+        self.probe_steps = probe_steps
+        self.block_size = block_size
+        self.grid = grid
+        self.hidden: dict = {}
+        self.attention: dict = {}
+        self.denoised_grid = None
+
+    @property
+    def last_step(self) -> int:
+        return self.probe_steps - 1
+
+    def block_output(self, step: int, block_index: int, hidden: torch.Tensor) -> None:
+        if step < self.probe_steps:
+            pooled = hidden.detach().float().mean(dim=tuple(range(hidden.dim() - 1)))
+            self.hidden[(step, block_index)] = _reduce_features(pooled).cpu()
+
+    def self_attention(self, step: int, block_index: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        if step == self.last_step:
+            pooled = pooled_block_attention(q, k, self.block_size)
+            size = min(ATTENTION_GRID, pooled.shape[0])
+            coarse = F.adaptive_avg_pool2d(pooled[None, None], size)[0, 0]
+            self.attention[block_index] = (coarse / coarse.sum(-1, keepdim=True)).cpu()
+
+    def denoised(self, step: int, denoised: torch.Tensor) -> None:
+        if step == self.last_step:
+            grid = tuple(min(g, s) for g, s in zip(self.grid, denoised.shape[-3:]))
+            self.denoised_grid = F.adaptive_avg_pool3d(denoised.detach().float().mean(0, keepdim=True), grid)[0].cpu()
+
+    def signature(self) -> EarlySignature:
+        if self.denoised_grid is None or not self.hidden:
+            raise RuntimeError("the probe did not run its steps: no signature was recorded "
+                               "(is the backbone adapter attached to the model?)")
+        blocks = sorted({b for _, b in self.hidden})
+        hidden = torch.stack([torch.stack([self.hidden[(s, b)] for b in blocks]) for s in range(self.probe_steps)])
+        attention = torch.stack([self.attention[b] for b in sorted(self.attention)]) if self.attention \
+            else torch.zeros(0, 1, 1)
+        return EarlySignature(hidden=hidden, denoised=self.denoised_grid, attention=attention)
+
+
+@dataclass
+class SignatureDistance:
+    hidden: float        # 1 - mean cosine of pooled block states
+    denoised: float      # relative L2 distance of the coarse x0-hat
+    attention: float     # mean total-variation distance of attention rows
+    cell_map: torch.Tensor  # [Tg, Hg, Wg] per-cell x0-hat difference, relative to the typical cell norm
+
+    def as_dict(self) -> dict:
+        return {"hidden": round(self.hidden, 5), "denoised": round(self.denoised, 5),
+                "attention": round(self.attention, 5)}
+
+
+def signature_distance(a: EarlySignature, b: EarlySignature) -> SignatureDistance:
+    if not a.compatible_with(b):
+        raise ValueError("signatures have different shapes: they come from different models or latent sizes")
+    hidden = 1.0 - F.cosine_similarity(a.hidden, b.hidden, dim=-1).mean().item()
+    diff = a.denoised - b.denoised
+    scale = torch.sqrt(0.5 * (a.denoised.pow(2).mean() + b.denoised.pow(2).mean())).clamp_min(1e-6)
+    denoised = (diff.pow(2).mean().sqrt() / scale).item()
+    cell_map = diff.pow(2).mean(0).sqrt() / scale
+    if a.attention.numel():
+        attention = 0.5 * (a.attention - b.attention).abs().sum(-1).mean().item()
+    else:
+        attention = 0.0
+    return SignatureDistance(hidden=hidden, denoised=denoised, attention=attention, cell_map=cell_map)
