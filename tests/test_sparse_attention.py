@@ -1,0 +1,336 @@
+"""Tests of carnator_engine.sparse_attention (CPU; the flex parts skip without CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from carnator_engine import sparse_attention as sa  # noqa: E402
+from carnator_engine.sparse_attention import (  # noqa: E402
+    BlockSparseAttention,
+    block_sparse_attention,
+    densify,
+    density,
+    pooled_block_attention,
+    select_connectivity,
+    token_blocks_from_mask,
+)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="flex path needs CUDA")
+
+
+def qkv(B=1, H=2, L=70, D=16, seed=0, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, L, D, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+            for _ in range(3)]
+
+
+def random_conn(nqb, nkb, p=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    conn = torch.rand(nqb, nkb, generator=g) < p
+    conn[torch.arange(nqb), torch.arange(nqb) * nkb // nqb] = True
+    return conn
+
+
+def reference_f64(q, k, v, conn, block_size):
+    """Exact attention in float64 with an explicit -inf mask."""
+    q, k, v = q.double(), k.double(), v.double()
+    qb = torch.arange(q.shape[2]) // block_size
+    kb = torch.arange(k.shape[2]) // block_size
+    allowed = conn[qb][:, kb]
+    bias = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias
+    return torch.softmax(s, dim=-1) @ v
+
+
+# ---------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("L,bs", [(64, 16), (70, 16), (70, 32)])
+def test_full_connectivity_equals_dense_sdpa(L, bs):
+    q, k, v = qkv(L=L)
+    nb = sa.num_blocks(L, bs)
+    full = torch.ones(nb, nb, dtype=torch.bool)
+    out = block_sparse_attention(q, k, v, full, bs)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("L,bs,seed", [(70, 16, 1), (96, 8, 2), (200, 64, 3)])
+def test_random_sparse_equals_f64_reference(L, bs, seed):
+    q, k, v = qkv(B=2, L=L, seed=seed)
+    nb = sa.num_blocks(L, bs)
+    conn = random_conn(nb, nb, 0.3, seed)
+    out = block_sparse_attention(q, k, v, conn, bs)
+    ref = reference_f64(q, k, v, conn, bs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # and it really is sparse: differs from dense attention
+    assert not torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-3)
+
+
+def test_cross_lengths_and_scale():
+    q, _, _ = qkv(L=40, seed=4)
+    _, k, v = qkv(L=72, seed=5)
+    conn = random_conn(sa.num_blocks(40, 16), sa.num_blocks(72, 16), 0.5, 6)
+    out = block_sparse_attention(q, k, v, conn, 16, scale=0.5)
+    qb, kb = torch.arange(40) // 16, torch.arange(72) // 16
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                         attn_mask=conn[qb][:, kb], scale=0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# summary and connectivity
+# ---------------------------------------------------------------------------
+
+
+def test_pooled_rows_sum_to_one_and_match_manual():
+    q, k, _ = qkv(B=2, H=3, L=70, D=8, seed=7)
+    bs = 16
+    pooled = pooled_block_attention(q, k, bs)
+    nb = sa.num_blocks(70, bs)
+    assert pooled.shape == (nb, nb) and pooled.dtype == torch.float32
+    torch.testing.assert_close(pooled.sum(-1), torch.ones(nb), atol=1e-6, rtol=0)
+    # manual: mean over the real tokens of each block (last block has 6)
+    qp = torch.stack([q[:, :, i * bs:(i + 1) * bs].mean(2) for i in range(nb)], 2)
+    kp = torch.stack([k[:, :, i * bs:(i + 1) * bs].mean(2) for i in range(nb)], 2)
+    manual = torch.softmax(qp @ kp.transpose(-1, -2) / math.sqrt(8), -1).mean((0, 1))
+    torch.testing.assert_close(pooled, manual, atol=1e-6, rtol=1e-5)
+
+
+def _reference_select(row, mass):
+    order = sorted(range(len(row)), key=lambda j: -row[j])
+    kept, acc = set(), 0.0
+    for j in order:
+        if acc >= mass:
+            break
+        kept.add(j)
+        acc += row[j]
+    return kept
+
+
+@pytest.mark.parametrize("mass", [0.3, 0.5, 0.9, 0.99])
+def test_select_connectivity_reaches_mass_and_keeps_diagonal(mass):
+    g = torch.Generator().manual_seed(11)
+    att = torch.softmax(torch.randn(12, 12, generator=g) * 3, dim=-1)
+    conn = select_connectivity(att, mass=mass)
+    assert conn.dtype == torch.bool and conn.shape == (12, 12)
+    assert bool(conn.diagonal().all())
+    assert bool(((att * conn).sum(-1) >= mass - 1e-6).all())
+    for i in range(12):
+        want = _reference_select(att[i].double().tolist(), mass) | {i}
+        assert set(torch.nonzero(conn[i]).flatten().tolist()) == want
+
+
+def test_select_connectivity_options():
+    att = torch.full((4, 6), 1 / 6)
+    att[:, 5] += 1.0  # one dominant key block; unnormalised rows are fine
+    conn = select_connectivity(att, mass=0.5)
+    assert conn.sum().item() == 4 * 1 + 4  # dominant block + diagonal (never col 5 here)
+    conn3 = select_connectivity(att, mass=0.5, min_blocks_per_row=3)
+    assert bool((conn3.sum(-1) >= 3).all())
+    assert bool(select_connectivity(att, mass=1.0).all())
+    # non-square: diagonal is j = i * nkb // nqb
+    assert conn[torch.arange(4), torch.arange(4) * 6 // 4].all()
+
+
+def test_densify_rows_and_cols():
+    conn = torch.eye(6, dtype=torch.bool)
+    before = conn.clone()
+    qmask = torch.tensor([False, True, False, False, False, False])
+    out = densify(conn, dense_query_blocks=qmask, dense_key_blocks=[4])
+    assert torch.equal(conn, before)  # input untouched
+    assert bool(out[1].all()) and bool(out[:, 4].all())
+    expect = before.clone()
+    expect[1, :] = True
+    expect[:, 4] = True
+    assert torch.equal(out, expect)
+    assert torch.equal(densify(conn), conn)
+    assert torch.equal(densify(conn, dense_key_blocks=torch.tensor([0, 5])).sum(0),
+                       torch.tensor([6, 1, 1, 1, 1, 6]))
+
+
+def test_token_blocks_from_mask_and_density():
+    m = torch.zeros(70, dtype=torch.bool)
+    m[17] = True
+    m[69] = True
+    assert token_blocks_from_mask(m, 16).tolist() == [False, True, False, False, True]
+    conn = torch.zeros(5, 5, dtype=torch.bool)
+    conn[4, 4] = True  # the partial 6-token block with itself
+    assert density(conn) == pytest.approx(1 / 25)
+    assert density(conn, block_size=16, q_len=70) == pytest.approx(36 / 4900)
+    assert density(torch.ones(5, 5, dtype=torch.bool), 16, 70) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------
+
+
+def test_validation_errors():
+    q, k, v = qkv(L=70)
+    good = torch.ones(5, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"shape \(4, 4\).*need \(5, 5\)"):
+        block_sparse_attention(q, k, v, torch.ones(4, 4, dtype=torch.bool), 16)
+    with pytest.raises(ValueError, match="must be torch.bool"):
+        block_sparse_attention(q, k, v, good.float(), 16)
+    empty = good.clone()
+    empty[2] = False
+    with pytest.raises(ValueError, match=r"no allowed key block \(first: \[2\]\)"):
+        block_sparse_attention(q, k, v, empty, 16)
+    with pytest.raises(ValueError, match="4-D tensor"):
+        block_sparse_attention(q[0], k, v, good, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        block_sparse_attention(q, k, v, good, 0)
+    with pytest.raises(ValueError, match="backend"):
+        block_sparse_attention(q, k, v, good, 16, backend="triton")
+    for bad in (0, 0.0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"mass must be in \(0, 1\]"):
+            select_connectivity(torch.ones(3, 3) / 3, mass=bad)
+    with pytest.raises(ValueError, match="2-D"):
+        select_connectivity(torch.ones(3), mass=0.5)
+    with pytest.raises(ValueError, match="torch.bool"):
+        token_blocks_from_mask(torch.zeros(10), 4)
+    with pytest.raises(ValueError, match="shape"):
+        densify(good, dense_query_blocks=torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="outside"):
+        densify(good, dense_key_blocks=[7])
+    with pytest.raises(ValueError, match="format"):
+        BlockSparseAttention.from_state({"format": "other/9"})
+
+
+# ---------------------------------------------------------------------------
+# per-transformer-block state
+# ---------------------------------------------------------------------------
+
+
+def test_block_sparse_attention_class_attend_and_density():
+    q, k, v = qkv(L=70, seed=12)
+    conn = random_conn(5, 5, 0.2, 13)
+    plan = BlockSparseAttention({3: conn}, block_size=16, seq_len=70)
+    torch.testing.assert_close(plan.attend(0, q, k, v), F.scaled_dot_product_attention(q, k, v))
+    torch.testing.assert_close(plan.attend(3, q, k, v), block_sparse_attention(q, k, v, conn, 16))
+    assert plan.mean_density() == pytest.approx(density(conn, 16, 70))
+    plan.set_dense_blocks(dense_query_blocks=[1], dense_key_blocks=torch.tensor([0, 0, 0, 0, 1], dtype=torch.bool))
+    dense_conn = densify(conn, [1], [4])
+    torch.testing.assert_close(plan.attend(3, q, k, v), reference_f64(q, k, v, dense_conn, 16).float(),
+                               atol=1e-5, rtol=1e-5)
+    assert plan.mean_density() == pytest.approx(density(dense_conn, 16, 70))
+    with pytest.raises(ValueError, match="need"):
+        plan.attend(3, *qkv(L=40))
+
+
+def test_from_block_attention():
+    q, k, _ = qkv(L=64, seed=14)
+    att = {i: pooled_block_attention(q * (i + 1), k, 16) for i in range(3)}
+    plan = BlockSparseAttention.from_block_attention(att, block_size=16, mass=0.8)
+    assert sorted(plan.connectivities) == [0, 1, 2]
+    for i in range(3):
+        assert torch.equal(plan.connectivities[i], select_connectivity(att[i], 0.8))
+
+
+def test_state_round_trip():
+    q, k, v = qkv(L=70, seed=15)
+    conns = {i: random_conn(5, 5, 0.3, 20 + i) for i in range(4)}
+    plan = BlockSparseAttention(conns, block_size=16, dense_query_blocks=torch.tensor([1, 0, 0, 0, 0], dtype=torch.bool),
+                                dense_key_blocks=[3], seq_len=70)
+    state = pickle.loads(pickle.dumps(plan.to_state()))
+    back = BlockSparseAttention.from_state(state)
+    assert back.block_size == 16 and back.seq_len == 70
+    assert sorted(back.connectivities) == sorted(conns)
+    for i, c in conns.items():
+        assert torch.equal(back.connectivities[i], c)
+        assert torch.equal(back.effective_connectivity(i), plan.effective_connectivity(i))
+        torch.testing.assert_close(back.attend(i, q, k, v), plan.attend(i, q, k, v), atol=0, rtol=0)
+    assert back.mean_density() == pytest.approx(plan.mean_density())
+
+
+def test_state_size_wan_1_3b_plan():
+    g = torch.Generator().manual_seed(0)
+    conns = {i: torch.rand(256, 256, generator=g) < 0.3 for i in range(30)}
+    state = BlockSparseAttention(conns, block_size=128, seq_len=32760).to_state()
+    nbytes = len(pickle.dumps(state))
+    assert BlockSparseAttention.state_nbytes(state) == 30 * 256 * 256 // 8
+    assert nbytes < 300_000, nbytes
+    back = BlockSparseAttention.from_state(pickle.loads(pickle.dumps(state)))
+    assert all(torch.equal(back.connectivities[i], conns[i]) for i in conns)
+
+
+# ---------------------------------------------------------------------------
+# flex tiling (logic checked on CPU; kernel on CUDA)
+# ---------------------------------------------------------------------------
+
+
+def _token_mask_of_block_mask(bm, table, block_size, Lq, Lk):
+    """Rebuild the token mask a BlockMask (tile 128) describes."""
+    T = sa.FLEX_TILE
+    out = torch.zeros(Lq, Lk, dtype=torch.bool)
+    qi, ki = torch.arange(Lq), torch.arange(Lk)
+    kv_n, kv_i = bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0]
+    fn, fi = bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0]
+    for t in range(kv_n.shape[0]):
+        rows = slice(t * T, min((t + 1) * T, Lq))
+        for j in fi[t, : fn[t]].tolist():
+            out[rows, j * T:(j + 1) * T] = True
+        for j in kv_i[t, : kv_n[t]].tolist():
+            cols = slice(j * T, min((j + 1) * T, Lk))
+            out[rows, cols] |= table[qi[rows] // block_size][:, ki[cols] // block_size]
+    return out
+
+
+@pytest.mark.skipif(not sa._HAS_FLEX, reason="flex_attention not in this torch")
+@pytest.mark.parametrize("bs,L", [(128, 1000), (256, 1000), (64, 1000), (192, 700), (100, 390)])
+def test_flex_block_mask_describes_the_table(bs, L):
+    nb = sa.num_blocks(L, bs)
+    conn = random_conn(nb, nb, 0.4, bs)
+    mask_mod = (lambda b, h, q, kv: None) if bs % sa.FLEX_TILE else None
+    bm = sa.build_block_mask(conn, bs, L, L, mask_mod=mask_mod)
+    assert bm.seq_lengths == (L, L)
+    got = _token_mask_of_block_mask(bm, conn, bs, L, L)
+    assert torch.equal(got, sa.expand_token_mask(conn, bs, L, L))
+    if bs % sa.FLEX_TILE == 0:
+        assert int(bm.kv_num_blocks.sum()) == 0  # everything is a full block: no mask_mod
+
+
+@needs_cuda
+@pytest.mark.parametrize("bs,L", [(128, 1000), (64, 1000)])
+def test_flex_matches_masked_sdpa_cuda(bs, L):
+    q, k, v = qkv(L=L, D=64, dtype=torch.bfloat16, device="cuda", seed=bs)
+    nb = sa.num_blocks(L, bs)
+    conn = random_conn(nb, nb, 0.3, bs)
+    out = block_sparse_attention(q, k, v, conn, bs, backend="flex")
+    ref = reference_f64(q.cpu(), k.cpu(), v.cpu(), conn, bs)
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-2, float(err)
+
+
+# ---------------------------------------------------------------------------
+# benchmark smoke run
+# ---------------------------------------------------------------------------
+
+
+def test_benchmark_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("attention_kernels", ROOT / "benchmarks" / "attention_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ak.json"
+    result = mod.main(["--smoke", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["config"]["smoke"] is True
+    assert data["timing"] and all(r["median_ms"] > 0 for r in data["timing"])
+    main = result["correctness"]["main"]
+    assert main["random_d0.3"]["rel_err_sdpa_masked_vs_f64_rows"] < 1e-5
