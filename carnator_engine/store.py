@@ -42,6 +42,12 @@ class CorruptEntryError(StoreError):
     pass
 
 
+def _check_size_limit(size_limit_bytes: int) -> None:
+    if size_limit_bytes < MIN_SIZE_LIMIT:
+        raise ValueError(f"cache size limit {size_limit_bytes} bytes is below the minimum of "
+                         f"{MIN_SIZE_LIMIT} bytes (1 MiB): raise the size limit")
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -82,9 +88,7 @@ class TrajectoryPayload:
 
 class CarnatorStore:
     def __init__(self, directory: str, size_limit_bytes: int = 4 << 30):
-        if size_limit_bytes < MIN_SIZE_LIMIT:
-            raise ValueError(f"cache size limit {size_limit_bytes} bytes is below the minimum of "
-                             f"{MIN_SIZE_LIMIT} bytes (1 MiB): raise the size limit")
+        _check_size_limit(size_limit_bytes)
         directory = os.path.abspath(os.path.expanduser(directory))
         try:
             os.makedirs(directory, exist_ok=True)
@@ -99,6 +103,12 @@ class CarnatorStore:
         self.directory = directory
         self.size_limit_bytes = int(size_limit_bytes)
         self.problems: list = []
+
+    def set_size_limit(self, size_limit_bytes: int) -> list:
+        """Applies a new limit at once; returns the ids it evicted."""
+        _check_size_limit(size_limit_bytes)
+        self.size_limit_bytes = int(size_limit_bytes)
+        return self.enforce_size_limit()
 
     def close(self) -> None:
         self._cache.close()
