@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from carnator_engine.gate import RISK_POLICIES, decide, policy_for
+from carnator_engine.index import Candidate
+from carnator_engine.signature import EarlySignature, signature_distance
+from carnator_engine.store import EntryRecord
+
+
+def _sig(denoised, hidden=None):
+    hidden = torch.ones(2, 3, 64) if hidden is None else hidden
+    return EarlySignature(hidden=hidden, denoised=denoised, attention=torch.full((3, 4, 4), 0.25))
+
+
+def _candidate(new, cached, prompt="whatever the prompt", steps=(4, 6, 8, 10, 12), entry="e1"):
+    record = EntryRecord(entry_id=entry, bucket="b", prompt=prompt, seed=0, steps=20, probe_steps=3,
+                         checkpoint_steps=list(steps), latent_shape=[1, 3, 8, 8, 8], created=0, last_used=0,
+                         sig_sha256="", blob_sha256="", size_bytes=1)
+    return Candidate(record, cached, signature_distance(new, cached))
+
+
+BASE = torch.randn(3, 8, 8, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_identical_signature_resumes_as_far_as_policy_and_checkpoints_allow():
+    new = _sig(BASE)
+    decision = decide([_candidate(new, _sig(BASE.clone()))], 20, 3, policy_for("balanced"), "balanced")
+    assert decision.reuse and decision.entry_id == "e1"
+    assert decision.resume_step == 10  # balanced allows up to 0.55 * 20 = 11; the entry holds 10
+    assert decision.model_calls == 3 + 10 and decision.expected_speedup == pytest.approx(20 / 13)
+    assert not decision.target_cells.any()
+
+
+def test_local_difference_becomes_a_target_region():
+    edited = BASE.clone()
+    edited[:, 2:4, 2:4, 2:4] += 3.0
+    decision = decide([_candidate(_sig(edited), _sig(BASE))], 20, 3, policy_for("balanced"), "balanced")
+    assert decision.reuse
+    cells = decision.target_cells
+    assert cells[2:4, 2:4, 2:4].all()          # the edited cells are recomputed
+    assert 0 < cells.float().mean() < 0.5 and not cells[7, 7, 7]
+
+
+def test_global_difference_is_rejected_with_reasons():
+    other = torch.randn(3, 8, 8, 8, generator=torch.Generator().manual_seed(1))
+    decision = decide([_candidate(_sig(other), _sig(BASE))], 20, 3, policy_for("aggressive"), "aggressive")
+    assert not decision.reuse and decision.resume_step == 3 and decision.model_calls == 20
+    assert any("target region share" in reason and "over" in reason for reason in decision.reasons)
+
+
+def test_model_states_disagreeing_rejects_even_when_layout_matches():
+    hidden = torch.ones(2, 3, 64)
+    hidden[:, :, :32] = -1
+    decision = decide([_candidate(_sig(BASE, hidden), _sig(BASE))], 20, 3, policy_for("aggressive"))
+    assert not decision.reuse
+    assert any("pooled block states" in reason and "over" in reason for reason in decision.reasons)
+
+
+def test_prompt_text_plays_no_part():
+    """Same prompt but the model disagrees -> rejected; different prompt but the model agrees -> accepted."""
+    other = torch.randn(3, 8, 8, 8, generator=torch.Generator().manual_seed(2))
+    same_text = _candidate(_sig(other), _sig(BASE), prompt="a red car driving left")
+    assert not decide([same_text], 20, 3, policy_for("safe")).reuse
+    different_text = _candidate(_sig(BASE), _sig(BASE.clone()), prompt="a red car driving right")
+    assert decide([different_text], 20, 3, policy_for("safe")).reuse
+
+
+def test_riskier_levels_resume_later():
+    slightly = BASE + 0.05 * torch.randn(3, 8, 8, 8, generator=torch.Generator().manual_seed(3))
+    steps = list(range(4, 14))
+    resume = {risk: decide([_candidate(_sig(slightly), _sig(BASE), steps=steps)], 20, 3, policy_for(risk)).resume_step
+              for risk in RISK_POLICIES}
+    assert 3 < resume["safe"] <= resume["balanced"] <= resume["aggressive"]
+
+
+def test_no_usable_checkpoint_means_no_reuse():
+    decision = decide([_candidate(_sig(BASE), _sig(BASE.clone()), steps=[4])], 20, 3, policy_for("balanced"))
+    assert not decision.reuse and "too little to save" in decision.reasons[-1]
+
+
+def test_empty_store_is_a_miss():
+    decision = decide([], 20, 3, policy_for("safe"), "safe")
+    assert not decision.reuse and "no earlier generation" in decision.reasons[0]
+
+
+@pytest.mark.parametrize("override", [{"max_hidden": -1.0}, {"cell_threshold": 0.0}, {"max_target_fraction": 1.5},
+                                      {"max_resume_fraction": float("nan")}, {"min_saved_steps": 0}])
+def test_absurd_thresholds_are_refused(override):
+    with pytest.raises(ValueError):
+        policy_for("balanced", **override)
+
+
+def test_unknown_risk_level():
+    with pytest.raises(ValueError, match="choose one of safe, balanced, aggressive"):
+        policy_for("yolo")

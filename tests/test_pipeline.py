@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from carnator_engine.euler import TinyDiTRunner
+from carnator_engine.pipeline import CarnatorConfig, checkpoint_steps, generate, probe
+from carnator_engine.schedule import flow_sigmas
+from carnator_engine.store import CarnatorStore
+
+SIGMAS = flow_sigmas(12)
+
+
+def _noise(seed):
+    return torch.randn(1, 3, 8, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def _config(**kwargs):
+    return CarnatorConfig(probe_steps=2, block_size=64, **kwargs)
+
+
+def _run(model, store, prompt, seed, **kwargs):
+    return generate(TinyDiTRunner(model, prompt), _noise(seed), SIGMAS, store, _config(**kwargs), prompt, seed)
+
+
+def test_miss_then_hit_saves_model_calls(tiny_model, store):
+    first = _run(tiny_model, store, "a red circle moving left", 1)
+    assert not first.decision.reuse and first.model_calls == 12 and first.entry_id
+    second = _run(tiny_model, store, "a red circle moving left", 1)
+    assert second.decision.reuse and second.decision.entry_id == first.entry_id
+    assert second.decision.resume_step > 2
+    assert second.model_calls == 2 + 12 - second.decision.resume_step < 12
+    # Identical request: resuming from its own trajectory reproduces it.
+    torch.testing.assert_close(second.latent, first.latent, atol=2e-2, rtol=0)
+    assert store.record(first.entry_id).hits == 1
+    assert len(store.records()) == 2  # the hit is written back too
+
+
+def test_hit_survives_reopening_the_store(tiny_model, tmp_path):
+    directory = str(tmp_path / "cache")
+    first_store = CarnatorStore(directory, 64 << 20)
+    _run(tiny_model, first_store, "a red circle moving left", 1)
+    first_store.close()
+    reopened = CarnatorStore(directory, 64 << 20)
+    assert _run(tiny_model, reopened, "a red circle moving left", 1).decision.reuse
+
+
+def test_another_model_never_matches(tiny_model, store):
+    from carnator_engine.backbones.tiny_dit import TinyVideoDiT
+    _run(tiny_model, store, "a red circle moving left", 1)
+    other = TinyVideoDiT(tiny_model.config)
+    other.load_state_dict(tiny_model.state_dict())
+    with torch.no_grad():
+        other.head.bias.add_(0.01)  # a fine-tune, a LoRA merge: other weights
+    result = _run(other, store, "a red circle moving left", 1)
+    assert not result.decision.reuse
+    assert "no earlier generation" in result.decision.reasons[0]
+
+
+def test_full_connectivity_resume_equals_dense_resume(tiny_model, tmp_path):
+    runs = {}
+    for sparse in (True, False):
+        s = CarnatorStore(str(tmp_path / f"c{sparse}"), 64 << 20)
+        _run(tiny_model, s, "a blue square moving up", 3, attention_mass=1.0)
+        runs[sparse] = _run(tiny_model, s, "a blue square moving up", 3, attention_mass=1.0, sparse_attention=sparse)
+        assert runs[sparse].decision.reuse
+    torch.testing.assert_close(runs[True].latent, runs[False].latent, atol=1e-5, rtol=1e-5)
+
+
+def test_corrupt_entry_falls_back_to_a_full_generation(tiny_model, store):
+    first = _run(tiny_model, store, "a red circle moving left", 1)
+    store._cache.set(("sig", first.entry_id), b"garbage")
+    result = _run(tiny_model, store, "a red circle moving left", 1)
+    assert not result.decision.reuse and result.model_calls == 12
+    assert any(first.entry_id in warning and "corrupt" in warning for warning in result.warnings)
+    torch.testing.assert_close(result.latent, first.latent, atol=1e-5, rtol=0)
+
+
+def test_wrong_latent_shapes_are_refused(tiny_model):
+    runner = TinyDiTRunner(tiny_model, "a red circle")
+    with pytest.raises(ValueError, match="video latent"):
+        probe(runner, torch.randn(1, 3, 32, 32), SIGMAS, _config())
+    with pytest.raises(ValueError, match="latent channels"):
+        probe(runner, torch.randn(1, 16, 8, 32, 32), SIGMAS, _config())
+
+
+def test_probe_longer_than_the_generation_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="probe_steps"):
+        probe(TinyDiTRunner(tiny_model, "a"), _noise(0), SIGMAS, CarnatorConfig(probe_steps=12))
+
+
+def test_checkpoints_cover_every_reachable_resume_step():
+    assert checkpoint_steps(20, 3, 20) == list(range(4, 14))
+    thinned = checkpoint_steps(50, 5, 8)
+    assert len(thinned) == 8 and thinned[-1] == 32 and thinned[0] > 5
