@@ -1,0 +1,130 @@
+"""Command line: `python -m carnator_engine demo | stats | clear`.
+
+`demo` replays a short creative-iteration session on the embedded demo model (the project's tiny
+DiT trained on the evaluation world) and prints, for each request, the gate's decision, the model
+calls it cost and the attributes read back from the generated pixels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+DEMO_SESSION = [
+    ("first request: cold cache", {"color": "red", "shape": "circle", "direction": "right", "background": "black",
+                                   "size": "large", "speed": "slow"}, 1),
+    ("same prompt, same seed", {"color": "red", "shape": "circle", "direction": "right", "background": "black",
+                                "size": "large", "speed": "slow"}, 1),
+    ("colour edit", {"color": "green", "shape": "circle", "direction": "right", "background": "black",
+                     "size": "large", "speed": "slow"}, 1),
+    ("direction swap (reads alike)", {"color": "red", "shape": "circle", "direction": "left",
+                                      "background": "black", "size": "large", "speed": "slow"}, 1),
+    ("background change", {"color": "red", "shape": "circle", "direction": "right", "background": "white",
+                           "size": "large", "speed": "slow"}, 1),
+]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _open_store(path: str, size_limit_mb: int):
+    from .store import CarnatorStore
+    return CarnatorStore(path, size_limit_mb << 20)
+
+
+def run_demo(args) -> int:
+    import torch
+
+    from .backbones.tiny_dit import load_tiny_dit
+    from .demo import DEMO_WEIGHTS, world
+    from .euler import TinyDiTRunner
+    from .pipeline import CarnatorConfig, generate
+    from .schedule import flow_sigmas
+
+    weights = args.weights or DEMO_WEIGHTS
+    if not os.path.exists(weights):
+        print(f"error: demo weights not found at {weights}: pass --weights PATH to a Carnator tiny DiT "
+              "checkpoint (benchmarks/README.md says how to train one)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = load_tiny_dit(weights)
+    cache_dir = args.cache or tempfile.mkdtemp(prefix="carnator-demo-")
+    store = _open_store(cache_dir, args.size_limit_mb)
+    config = CarnatorConfig(probe_steps=args.probe_steps, risk=args.risk, block_size=64)
+    sigmas = flow_sigmas(args.steps)
+    rows = []
+    print(f"Carnator demo: {args.steps} steps, probe {args.probe_steps}, risk {args.risk}, cache {cache_dir}")
+    for label, attributes, seed in DEMO_SESSION:
+        text = world.prompt(attributes)
+        runner = TinyDiTRunner(model, text, guidance_scale=args.guidance)
+        noise = world.initial_noise([seed])
+        started = time.perf_counter()
+        result = generate(runner, noise, sigmas, store, config, text, seed)
+        seconds = time.perf_counter() - started
+        read = world.analyze(result.latent[0].clamp(-1, 1))
+        correct = sum(read[name] == attributes[name] for name in world.ATTRIBUTES)
+        rows.append({"request": label, "prompt": text, "seed": seed, "reuse": result.decision.reuse,
+                     "resume_step": result.decision.resume_step, "model_calls": result.model_calls,
+                     "seconds": round(seconds, 3), "attributes_correct": f"{correct}/{len(world.ATTRIBUTES)}",
+                     "read_back": read, "reasons": result.decision.reasons})
+    header = f"{'request':30} {'decision':8} {'k':>3} {'calls':>5} {'sec':>6}  attributes"
+    print(header + "\n" + "-" * len(header))
+    for row in rows:
+        decision = "HIT" if row["reuse"] else "miss"
+        print(f"{row['request']:30} {decision:8} {row['resume_step']:>3} {row['model_calls']:>5} "
+              f"{row['seconds']:>6.2f}  {row['attributes_correct']}")
+    total = sum(r["model_calls"] for r in rows)
+    print(f"model calls: {total} of {args.steps * len(rows)} "
+          f"({100 * (1 - total / (args.steps * len(rows))):.0f}% saved)")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"rows": rows, "store": store.stats()}, handle, indent=2)
+    store.close()
+    return 0
+
+
+def run_stats(args) -> int:
+    store = _open_store(args.cache, args.size_limit_mb)
+    print(json.dumps({**store.stats(), "problems": store.drain_problems()}, indent=2))
+    return 0
+
+
+def run_clear(args) -> int:
+    store = _open_store(args.cache, args.size_limit_mb)
+    print(f"removed {store.clear()} entries from {store.directory}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m carnator_engine", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="replay a short iteration session on the embedded demo model")
+    demo.add_argument("--cache", default="", help="cache directory (default: a fresh temporary one)")
+    demo.add_argument("--weights", default="", help="tiny DiT checkpoint (default: the embedded demo model)")
+    demo.add_argument("--steps", type=_positive_int, default=20)
+    demo.add_argument("--probe-steps", type=_positive_int, default=3)
+    demo.add_argument("--risk", choices=("safe", "balanced", "aggressive"), default="balanced")
+    demo.add_argument("--guidance", type=float, default=1.0)
+    demo.add_argument("--json", default="", help="also write the results to this JSON file")
+    for sub in (demo, commands.add_parser("stats", help="print a cache's statistics"),
+                commands.add_parser("clear", help="delete every entry of a cache")):
+        if sub is not demo:
+            sub.add_argument("--cache", required=True, help="cache directory")
+        sub.add_argument("--size-limit-mb", type=_positive_int, default=4096)
+    args = parser.parse_args(argv)
+    try:
+        return {"demo": run_demo, "stats": run_stats, "clear": run_clear}[args.command](args)
+    except (ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
