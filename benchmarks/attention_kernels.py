@@ -39,6 +39,16 @@ from carnator_engine import sparse_attention as sa  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "out" / "attention_kernels.json"
 
+KERNEL_OPTION_VARIANTS = [
+    {},  # torch's H100 default for bf16, D=128: BLOCK_M=128, BLOCK_N=64, 3 stages, 8 warps
+    {"ROWS_GUARANTEED_SAFE": True},  # every row has a key block (validated)
+    {"USE_TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "USE_TMA": True,
+     "ROWS_GUARANTEED_SAFE": True},
+    {"BACKEND": "FLASH"},  # flash-attention cute-dsl backend, if installed there
+]
+
 
 # ----------------------------------------------------------------------------
 # connectivities
@@ -163,6 +173,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    # this script compiles more flex variants than a normal process (dynamo's default is 8)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
     cuda = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -304,6 +318,37 @@ def main(argv=None) -> dict:
                 extra["block_mask_build_ms"] = tb["median_ms"]
             for name, fn in sparse_variants(conn):
                 record(name, real_d, pattern, time_fn(fn, args.runs, args.warmup, cuda), extra)
+    # the plan object: BlockMask built once per transformer block, as on a cache hit
+    conn = random_connectivity(nb, 0.3, gen)
+    plan = sa.BlockSparseAttention({0: conn}, block_size=bs, seq_len=L)
+    record("plan_attend", sa.density(conn, bs, L), "random",
+           time_fn(lambda: plan.attend(0, q, k, v), args.runs, args.warmup, cuda))
+
+    # flex kernel options (same tables; each variant is checked before it is timed)
+    if cuda:
+        tuning = []
+        conn_check = random_connectivity(nb, 0.3, gen)
+        ref = sa.block_sparse_attention(q, k, v, conn_check, bs, backend="sdpa")
+        for opts in KERNEL_OPTION_VARIANTS:
+            entry = {"kernel_options": opts}
+            try:
+                t1 = time.perf_counter()
+                out = sa.prepare_flex(q, k, v, conn_check, bs, kernel_options=opts)(q, k, v)
+                torch.cuda.synchronize()
+                entry["first_call_s"] = time.perf_counter() - t1
+                entry["rel_err_vs_sdpa_masked"] = rel_err(out, ref)
+                del out
+                for d in (0.1, 0.3, 1.0):
+                    conn = random_connectivity(nb, d, gen) if d < 1 else full
+                    kern = sa.prepare_flex(q, k, v, conn, bs, kernel_options=opts)
+                    entry[f"median_ms_d{d}"] = time_fn(lambda: kern(q, k, v), args.runs, args.warmup, cuda)["median_ms"]
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            tuning.append(entry)
+            print(f"  options {opts}: {entry}", flush=True)
+        del ref
+        result["flex_kernel_options"] = tuning
+
     # what the exact fallback costs at one density (dense work plus an L x L mask)
     conn = random_connectivity(nb, 0.3, gen)
     record("sdpa_masked", sa.density(conn, bs, L), "random",
@@ -329,6 +374,12 @@ def main(argv=None) -> dict:
         print(f"{r['kernel']:<20}{r['pattern']:<9}{r['density']:>8.3f}{r['median_ms']:>11.3f}"
               f"{r['p90_ms']:>9.3f}{r['tflops_effective']:>9.1f}{r['speedup_vs_flash']:>9.2f}"
               f"{r['speedup_vs_best_dense']:>8.2f}{mask_ms}")
+    for entry in result.get("flex_kernel_options", []):
+        if "error" in entry:
+            print(f"options {entry['kernel_options']}: {entry['error'][:100]}")
+        else:
+            print(f"options {entry['kernel_options']}: err {entry['rel_err_vs_sdpa_masked']:.2e}  "
+                  + "  ".join(f"d{d}: {entry[f'median_ms_d{d}']:.3f} ms" for d in (0.1, 0.3, 1.0)))
     print("correctness (relative error):")
     for group in result["correctness"].values():
         for name, val in group.items():

@@ -44,9 +44,13 @@ Backends of :func:`block_sparse_attention`
   The compiled flex kernel is cached per (B, heads, Lq, Lk, D, dtype, device,
   block_size, tiling path); the BlockMask is rebuilt from the table on every call
   (a few small tensor ops), so any connectivity can be passed without a
-  recompile.  Compilation is ``torch.compile(flex_attention, dynamic=False)``; note
-  torch's own recompile limit (8 shapes per process by default) if a process sees
-  many resolutions.
+  recompile.  Compilation is ``torch.compile(flex_attention, dynamic=False)``.  All
+  entries are graphs of the same function, so they count against dynamo's
+  ``recompile_limit`` (8 by default); past it dynamo would run flex eagerly (an
+  ``Lq x Lk`` score matrix), so a new shape beyond the limit falls back to masked
+  SDPA with a warning instead.  :class:`BlockSparseAttention` also keeps each
+  block's BlockMask, since its table is fixed across steps (building one costs
+  ~2 ms of host time on an H200 for a 256x256 table, comparable to the kernel).
 * ``"auto"`` (default): flex on CUDA when it is importable and compiles, else sdpa
   (a warning is issued once per shape if flex failed).
 """
@@ -82,6 +86,7 @@ __all__ = [
     "expand_token_mask",
     "flex_available",
     "num_blocks",
+    "DEFAULT_FLEX_KERNEL_OPTIONS",
     "pooled_block_attention",
     "prepare_flex",
     "select_connectivity",
@@ -443,11 +448,27 @@ class _FlexEntry:
 
 _FLEX_CACHE: dict[tuple, _FlexEntry] = {}
 
+DEFAULT_FLEX_KERNEL_OPTIONS: dict = {}
+"""kernel_options passed to flex_attention when none are given (torch's defaults)."""
+
+
+def _recompile_limit() -> int:
+    cfg = torch._dynamo.config
+    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+
 
 def _flex_entry(key: tuple, needs_mask_mod: bool, table_shape, device, block_size: int) -> _FlexEntry:
     entry = _FLEX_CACHE.get(key)
     if entry is not None:
         return entry
+    # every entry is one more compiled graph of flex_attention's code; past dynamo's
+    # recompile limit it would run flex *eagerly* (an Lq x Lk score matrix per head),
+    # so refuse instead and let the caller fall back to masked SDPA
+    if len(_FLEX_CACHE) >= _recompile_limit():
+        raise RuntimeError(
+            f"{len(_FLEX_CACHE)} flex kernels are compiled already (torch._dynamo.config."
+            "recompile_limit); raise that limit to compile one for another shape"
+        )
     compiled = torch.compile(flex_attention, dynamic=False)
     entry = _FlexEntry(compiled=compiled)
     if needs_mask_mod:
@@ -518,6 +539,7 @@ def prepare_flex(
     connectivity: torch.Tensor,
     block_size: int,
     scale: float | None = None,
+    kernel_options: Mapping[str, Any] | None = None,
 ):
     """Build the BlockMask of a (validated) table once -> ``fn(q, k, v)`` running flex.
 
@@ -525,6 +547,8 @@ def prepare_flex(
     the BlockMask, so repeated calls with the same table skip the mask build (for
     ``block_size`` not a multiple of 128 it re-copies the table into the kernel's
     mask buffer on each call).  Raises if flex is unavailable; no validation here.
+    ``kernel_options`` (flex's, e.g. ``{"USE_TMA": True}``) default to
+    :data:`DEFAULT_FLEX_KERNEL_OPTIONS`.
     """
     if not _HAS_FLEX:
         raise RuntimeError("torch.nn.attention.flex_attention is not available in this torch build")
@@ -536,7 +560,9 @@ def prepare_flex(
         num_blocks(num_blocks(Lq, FLEX_TILE) * FLEX_TILE, block_size),
         num_blocks(num_blocks(Lk, FLEX_TILE) * FLEX_TILE, block_size),
     )
-    key = (B, H, Lq, Lk, D, v.shape[-1], q.dtype, str(q.device), block_size, multiple)
+    opts = dict(DEFAULT_FLEX_KERNEL_OPTIONS if kernel_options is None else kernel_options)
+    key = (B, H, Lq, Lk, D, v.shape[-1], q.dtype, str(q.device), block_size, multiple,
+           tuple(sorted(opts.items())))
     entry = _flex_entry(key, not multiple, table_shape, q.device, block_size)
     if entry.failed:
         raise RuntimeError(f"flex_attention failed earlier for {key}")
@@ -548,7 +574,8 @@ def prepare_flex(
             entry.table.zero_()
             entry.table[: conn.shape[0], : conn.shape[1]].copy_(conn)
         try:
-            return entry.compiled(q, k, v, block_mask=block_mask, scale=scale)
+            return entry.compiled(q, k, v, block_mask=block_mask, scale=scale,
+                                  kernel_options=opts or None)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception:
@@ -559,20 +586,26 @@ def prepare_flex(
     return run
 
 
-def _flex_block_sparse(q, k, v, connectivity, block_size, scale):
+def _warn_flex_failure(q: torch.Tensor, k: torch.Tensor, block_size: int, exc: Exception) -> None:
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, block_size)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(
+            f"flex_attention failed for q {tuple(q.shape)} block_size={block_size} "
+            f"({type(exc).__name__}: {str(exc)[:300]}); using masked SDPA instead",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _flex_block_sparse(q, k, v, connectivity, block_size, scale, kernel_options=None):
     """flex output, or None (with a warning once per shape) when flex fails."""
     try:
-        return prepare_flex(q, k, v, connectivity, block_size, scale)(q, k, v)
+        return prepare_flex(q, k, v, connectivity, block_size, scale, kernel_options)(q, k, v)
+    except torch.cuda.OutOfMemoryError:
+        raise
     except Exception as exc:  # compile or launch failure: fall back to exact SDPA
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, block_size)
-        if key not in _WARNED:
-            _WARNED.add(key)
-            warnings.warn(
-                f"flex_attention failed for q {tuple(q.shape)} block_size={block_size} "
-                f"({type(exc).__name__}: {str(exc)[:300]}); using masked SDPA instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        _warn_flex_failure(q, k, block_size, exc)
         return None
 
 
@@ -586,6 +619,7 @@ def block_sparse_attention(
     scale: float | None = None,
     backend: str = "auto",
     validate: bool = True,
+    kernel_options: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Exact attention restricted to the allowed block pairs -> ``[B, heads, Lq, Dv]``.
 
@@ -593,6 +627,7 @@ def block_sparse_attention(
     raises if unavailable), ``"sdpa"`` (masked SDPA everywhere).  ``scale`` defaults to
     ``1/sqrt(D)``.  ``validate=False`` skips the table checks (they synchronise a
     CUDA device); use it only for a table that was validated before.
+    ``kernel_options`` go to flex_attention (see :func:`prepare_flex`).
     """
     block_size = _check_block_size(block_size)
     _check_qkv(q, k, v)
@@ -606,7 +641,7 @@ def block_sparse_attention(
             "use backend='auto' to fall back to masked SDPA"
         )
     if backend != "sdpa" and _HAS_FLEX and q.is_cuda:
-        out = _flex_block_sparse(q, k, v, connectivity, block_size, scale)
+        out = _flex_block_sparse(q, k, v, connectivity, block_size, scale, kernel_options)
         if out is not None:
             return out
         if backend == "flex":
@@ -640,8 +675,10 @@ class BlockSparseAttention:
 
     ``attend(block_index, q, k, v)`` runs :func:`block_sparse_attention` with the
     block's densified table, or plain SDPA when the block has none.  Densified,
-    validated tables are cached per (block, device); changing the dense regions via
-    :meth:`set_dense_blocks` clears that cache.
+    validated tables are cached per (block, device), and on CUDA the flex BlockMask
+    of each block too (built once, ~1 MB of index tensors per 256x256 table, kept on
+    the device; not part of :meth:`to_state`).  Changing a table or the dense regions
+    via :meth:`set_connectivity` / :meth:`set_dense_blocks` clears those caches.
     """
 
     def __init__(
@@ -652,16 +689,19 @@ class BlockSparseAttention:
         dense_key_blocks: Any = None,
         seq_len: int | None = None,
         backend: str = "auto",
+        kernel_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.block_size = _check_block_size(block_size)
         if backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"backend must be 'auto', 'flex' or 'sdpa', got {backend!r}")
         self.backend = backend
+        self.kernel_options = None if kernel_options is None else dict(kernel_options)
         self.dense_query_blocks = dense_query_blocks
         self.dense_key_blocks = dense_key_blocks
         self.seq_len = None if seq_len is None else int(seq_len)
         self.connectivities: dict[int, torch.Tensor] = {}
         self._prepared: dict[tuple, torch.Tensor] = {}  # (block, device, Lq, Lk) -> table
+        self._runners: dict[tuple, Any] = {}  # (block, shapes, ...) -> prepare_flex runner
         for idx, conn in (connectivities or {}).items():
             self.set_connectivity(idx, conn)
 
@@ -687,11 +727,13 @@ class BlockSparseAttention:
         _check_connectivity_type(connectivity)
         self.connectivities[int(block_index)] = connectivity.detach()
         self._prepared = {k: v for k, v in self._prepared.items() if k[0] != int(block_index)}
+        self._runners = {k: v for k, v in self._runners.items() if k[0] != int(block_index)}
 
     def set_dense_blocks(self, dense_query_blocks: Any = None, dense_key_blocks: Any = None) -> None:
         self.dense_query_blocks = dense_query_blocks
         self.dense_key_blocks = dense_key_blocks
         self._prepared.clear()
+        self._runners.clear()
 
     def effective_connectivity(self, block_index: int) -> torch.Tensor:
         """The block's table after densify (what attend() uses)."""
@@ -722,8 +764,24 @@ class BlockSparseAttention:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
         _check_qkv(q, k, v)
         table = self._prepared_table(block_index, q, k)
+        if self.backend != "sdpa" and _HAS_FLEX and q.is_cuda:
+            # the table is fixed for this block, so its BlockMask is built once
+            rkey = (int(block_index), str(q.device), tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype, scale)
+            run = self._runners.get(rkey)
+            if run is None:
+                try:
+                    run = prepare_flex(q, k, v, table, self.block_size, scale, self.kernel_options)
+                except Exception as exc:
+                    if self.backend == "flex":
+                        raise
+                    _warn_flex_failure(q, k, self.block_size, exc)
+                    run = False
+                self._runners[rkey] = run
+            if run:
+                return run(q, k, v)
+        fallback = "sdpa" if q.is_cuda else self.backend  # backend='flex' on CPU raises
         return block_sparse_attention(
-            q, k, v, table, self.block_size, scale=scale, backend=self.backend, validate=False
+            q, k, v, table, self.block_size, scale=scale, backend=fallback, validate=False
         )
 
     __call__ = attend

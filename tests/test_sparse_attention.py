@@ -318,6 +318,28 @@ def test_flex_matches_masked_sdpa_cuda(bs, L):
     assert err < 1e-2, float(err)
 
 
+@needs_cuda
+def test_plan_attend_cuda_reuses_block_mask():
+    L, bs = 1000, 128
+    q, k, v = qkv(L=L, D=64, dtype=torch.bfloat16, device="cuda", seed=3)
+    conn = random_conn(8, 8, 0.3, 3)
+    plan = BlockSparseAttention({5: conn}, block_size=bs, dense_query_blocks=[2], backend="flex")
+    out = plan.attend(5, q, k, v)
+    assert len(plan._runners) == 1
+    torch.testing.assert_close(plan.attend(5, q, k, v), out, atol=0, rtol=0)
+    assert len(plan._runners) == 1
+    ref = reference_f64(q.cpu(), k.cpu(), v.cpu(), densify(conn, [2]), bs)
+    assert float((out.cpu().double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.skipif(not sa._HAS_FLEX, reason="flex_attention not in this torch")
+def test_flex_refuses_past_recompile_limit(monkeypatch):
+    monkeypatch.setattr(sa, "_recompile_limit", lambda: len(sa._FLEX_CACHE))
+    q, k, v = qkv(L=40, D=8, seed=9)
+    with pytest.raises(RuntimeError, match="recompile_limit"):
+        sa.prepare_flex(q, k, v, torch.ones(1, 1, dtype=torch.bool), 64)
+
+
 # ---------------------------------------------------------------------------
 # benchmark smoke run
 # ---------------------------------------------------------------------------
