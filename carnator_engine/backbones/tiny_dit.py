@@ -74,6 +74,9 @@ class TextEncoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor):
         padding = tokens == PAD
+        # An empty prompt (the CFG uncond) keeps its first PAD token visible: attention over no keys
+        # gives NaN in the encoder's eval fast path and on some SDPA backends.
+        padding[:, 0] &= ~padding.all(-1)
         hidden = self.encoder(self.embed(tokens) + self.position, src_key_padding_mask=padding)
         return self.norm(hidden), padding
 

@@ -86,8 +86,6 @@ BACKGROUND_RGB = _table(BACKGROUNDS, VALUES["background"])      # [3, 3]
 RADIUS_PX = _table(SIZE_RADIUS, SIZES)                          # [2]
 SPEED_PX = _table(SPEED_PIXELS, SPEEDS)                         # [2]
 DIRECTION_XY = _table(DIRECTION_VECTOR, DIRECTIONS)             # [4, 2]
-COLORS_LIST = VALUES["color"]
-BACKGROUNDS_LIST = VALUES["background"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,18 +375,17 @@ def analyze_batch(clips: torch.Tensor, measurements: bool = False):
     speed = torch.where(torch.maximum(vx.abs(), vy.abs()) > SPEED_SPLIT, 1, 0)
     size = (extent > SIZE_SPLIT).long()
 
+    found = (valid.any(1) & has_object).tolist()
+    moving = (valid.any(1) & has_object & enough_frames).tolist()
+    read = torch.stack([color, shape, direction, background, size, speed], 1).tolist()   # one transfer
     results = []
-    for i in range(batch):
-        found = valid[i].any().item() and bool(has_object[i])
-        moving = found and bool(enough_frames[i])
-        results.append({
-            "color": COLORS_LIST[int(color[i])] if found else None,
-            "shape": SHAPES[int(shape[i])] if found else None,
-            "direction": DIRECTIONS[int(direction[i])] if moving else None,
-            "background": BACKGROUNDS_LIST[int(background[i])],
-            "size": SIZES[int(size[i])] if found else None,
-            "speed": SPEEDS[int(speed[i])] if moving else None,
-        })
+    for row, is_found, is_moving in zip(read, found, moving):
+        named = {name: VALUES[name][index] for name, index in zip(ATTRIBUTES, row)}
+        for name in ("color", "shape", "size"):
+            named[name] = named[name] if is_found else None
+        for name in ("direction", "speed"):
+            named[name] = named[name] if is_moving else None
+        results.append(named)
     if measurements:
         numbers = {"extent": extent, "fill": fill, "shape_error": shape_error, "vx": vx, "vy": vy, "area": area.mean(1),
                    "frames_with_object": valid.sum(1), "background_rgb": background_rgb}

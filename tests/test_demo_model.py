@@ -1,0 +1,68 @@
+import os
+
+import pytest
+import torch
+
+from carnator_engine.backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT, load_tiny_dit, tokenize
+from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, world
+from carnator_engine.demo.train import combination_index, prompt_tokens, sample_clips
+from carnator_engine.euler import TinyDiTRunner
+from carnator_engine.observer import GenerationObserver
+from carnator_engine.schedule import flow_sigmas
+
+needs_weights = pytest.mark.skipif(
+    not os.path.exists(DEMO_WEIGHTS),
+    reason=f"demo weights {DEMO_WEIGHTS} are missing: train them with "
+           "`python3 -m carnator_engine.demo.train --out carnator_engine/demo/tiny_dit.safetensors`")
+
+
+def test_training_prompt_table_matches_the_world_prompts():
+    config = TinyDiTConfig(vocabulary=list(world.VOCABULARY))
+    table = prompt_tokens(config.vocabulary, config.text_len, "cpu")
+    attributes = world.decode(world.sample_codes(50, torch.Generator().manual_seed(0)))
+    rows = combination_index(world.encode(attributes))
+    expected = tokenize([world.prompt(a) for a in attributes], config.vocabulary, config.text_len)
+    assert torch.equal(table[rows], expected)
+    assert (table[-1] == 0).all()   # the dropped-text row is the empty prompt
+
+
+def test_batched_sampler_matches_the_engine_runner():
+    torch.manual_seed(0)
+    model = TinyVideoDiT(TinyDiTConfig(vocabulary=list(world.VOCABULARY), dim=32, layers=2)).eval()
+    for p in model.parameters():   # zero-initialised heads would make every sampler agree trivially
+        torch.nn.init.normal_(p, std=0.05)
+    text = world.prompt(world.random_attributes(seed=1))
+    noise = world.initial_noise([11])
+    batched = sample_clips(model, [text], noise, steps=3, guidance=2.0)
+    runner = TinyDiTRunner(model, text, guidance_scale=2.0)
+    engine = runner.run(noise, flow_sigmas(3), 0, 3, GenerationObserver())
+    torch.testing.assert_close(batched, engine, atol=1e-4, rtol=1e-4)
+
+
+@needs_weights
+def test_demo_weights_are_small_fp16_and_speak_the_world():
+    from safetensors.torch import load_file
+    assert os.path.getsize(DEMO_WEIGHTS) <= 8.5e6
+    assert {t.dtype for t in load_file(DEMO_WEIGHTS).values()} == {torch.float16}
+    model = load_tiny_dit(DEMO_WEIGHTS)
+    assert model.config.vocabulary == list(world.VOCABULARY)
+    assert model.config.latent_shape == world.CLIP_SHAPE
+
+
+@needs_weights
+def test_demo_model_generates_what_the_prompt_asks():
+    model = load_tiny_dit(DEMO_WEIGHTS)
+    attributes, seeds = [], []
+    generator = torch.Generator().manual_seed(2024)
+    for i in range(8):   # one of each colour, the rest random
+        a = world.random_attributes(generator=generator)
+        a["color"] = world.VALUES["color"][i % len(world.COLORS)]
+        attributes.append(a)
+        seeds.append(1000 + i)
+    clips = sample_clips(model, [world.prompt(a) for a in attributes], world.initial_noise(seeds),
+                         steps=DEMO_STEPS, guidance=DEMO_GUIDANCE)
+    assert clips.shape == (8, *world.CLIP_SHAPE) and torch.isfinite(clips).all()
+    scores = world.attribute_accuracy(attributes, world.analyze_batch(clips.clamp(-1, 1)))
+    for name in world.ATTRIBUTES:
+        assert scores[name] >= 0.75, scores
+    assert sum(scores[name] for name in world.ATTRIBUTES) / len(world.ATTRIBUTES) >= 0.85, scores
