@@ -205,6 +205,7 @@ def main(argv=None) -> dict:
         "timing": [],
     }
     if cuda:
+        result["config"]["flex_kernel_options"] = sa.default_kernel_options(dev)
         try:
             import triton
 

@@ -332,6 +332,12 @@ def test_plan_attend_cuda_reuses_block_mask():
     assert float((out.cpu().double() - ref).norm() / ref.norm()) < 1e-2
 
 
+def test_default_kernel_options(monkeypatch):
+    assert sa.default_kernel_options("cpu") == {}
+    monkeypatch.setattr(sa, "DEFAULT_FLEX_KERNEL_OPTIONS", {"BLOCK_N": 32})
+    assert sa.default_kernel_options("cpu") == {"BLOCK_N": 32}
+
+
 @pytest.mark.skipif(not sa._HAS_FLEX, reason="flex_attention not in this torch")
 def test_flex_refuses_past_recompile_limit(monkeypatch):
     monkeypatch.setattr(sa, "_recompile_limit", lambda: len(sa._FLEX_CACHE))
