@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ema", type=float, default=0.999)
     parser.add_argument("--text-dropout", type=float, default=0.1)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="Euler steps when sampling for the report")
     parser.add_argument("--guidance", default="1,1.5,2,3,4", help="guidance scales tried in the report")
