@@ -1,0 +1,286 @@
+"""HTTP routes of the cache browser, served by ComfyUI's PromptServer under /carnator/ (and /api/carnator/).
+
+  GET    /carnator/entries[?cache=DIR]                       entries of a store, newest first
+  GET    /carnator/entries/{entry_id}/thumbnail[?cache=DIR]  the entry's PNG thumbnail
+  DELETE /carnator/entries/{entry_id}[?cache=DIR]            delete one entry
+  POST   /carnator/clear[?cache=DIR]   body {"confirm": true} delete every entry of the store
+  GET    /carnator/stats[?cache=DIR]                         totals, plus the stores the browser may pick
+
+A request never names a filesystem path the process has not opened itself: `cache` must be one of
+the stores this ComfyUI process opened (nodes/stores.py) or the default store; anything else is a
+400. Entry ids are the store's 16 lowercase hex digits. Errors are JSON: {"error": message, "status"}.
+
+The logic (validation, store choice, serialisation) is plain functions, testable without aiohttp;
+the handlers only translate between HTTP and those functions, and run store work off the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import re
+import sys
+from typing import Optional
+
+from carnator_engine.store import CarnatorStore, StoreError
+
+from .stores import default_cache_dir, known_stores, open_store
+
+log = logging.getLogger("carnator.routes")
+
+PREFIX = "/carnator"
+ENTRY_ID = re.compile(r"[0-9a-f]{16}")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_PATH_LENGTH = 4096
+
+
+class RequestError(Exception):
+    """A request the routes refuse; `status` is the HTTP status, `message` says what to do instead."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+# ---- validation and store choice ----------------------------------------------------------------
+
+def check_entry_id(entry_id: str) -> str:
+    if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):
+        shown = entry_id[:40] if isinstance(entry_id, str) else type(entry_id).__name__
+        raise RequestError(400, f"invalid entry id {shown!r}: an entry id is 16 lowercase hex digits")
+    return entry_id
+
+
+def _normalise(directory: str) -> str:
+    return os.path.normpath(os.path.abspath(directory))
+
+
+def store_directories() -> list:
+    """The directories a request may name: every store opened by this process, and the default one."""
+    default = _normalise(default_cache_dir())
+    listed = {_normalise(d) for d in known_stores()}
+    listed.add(default)
+    return [{"directory": d, "default": d == default} for d in sorted(listed, key=lambda d: (d != default, d))]
+
+
+def resolve_store(cache: Optional[str]) -> Optional[CarnatorStore]:
+    """The store a request names (the default one when `cache` is empty).
+
+    Returns None for the default store when nothing has created it yet (a browser's GET must not
+    create directories). Raises RequestError(400) for anything but a known store directory: the
+    name is compared, never opened.
+    """
+    default = _normalise(default_cache_dir())
+    if cache is None or cache.strip() == "":
+        directory = default
+    else:
+        if len(cache) > MAX_PATH_LENGTH or "\x00" in cache or not os.path.isabs(cache):
+            raise RequestError(400, "the cache parameter must be the absolute directory of a known Carnator "
+                                    "store (GET /carnator/stats lists them)")
+        directory = _normalise(cache)
+    opened = {_normalise(d): store for d, store in known_stores().items()}
+    if directory in opened:
+        return opened[directory]
+    if directory != default:
+        raise RequestError(400, f"{cache!r} is not a Carnator store of this ComfyUI: pick one of the stores "
+                                "listed by GET /carnator/stats")
+    if not os.path.exists(os.path.join(directory, "cache.db")):
+        return None
+    try:
+        return open_store(directory)
+    except StoreError as error:
+        raise RequestError(500, str(error)) from error
+
+
+def clear_confirmed(body) -> bool:
+    return isinstance(body, dict) and body.get("confirm") is True
+
+
+# ---- serialisation ------------------------------------------------------------------------------
+
+def json_safe(value, depth: int = 0):
+    """Plain JSON for the browser: non-finite floats become null, unknown objects their text."""
+    if depth > 8:
+        return None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, depth + 1) for v in value]
+    if hasattr(value, "tolist"):  # tensors, numpy scalars
+        try:
+            return json_safe(value.tolist(), depth + 1)
+        except Exception:  # a tensor that cannot leave its device is not worth failing a listing for
+            return None
+    return str(value)
+
+
+def record_json(record) -> dict:
+    """One EntryRecord as the cache browser shows it."""
+    extra = record.extra if isinstance(record.extra, dict) else {}
+    decision = extra.get("decision") if isinstance(extra.get("decision"), dict) else {}
+    return json_safe({
+        "id": record.entry_id,
+        "prompt": record.prompt,
+        "model": extra.get("model") or extra.get("model_name") or "",
+        "bucket": record.bucket,
+        "seed": record.seed,
+        "steps": record.steps,
+        "probe_steps": record.probe_steps,
+        "checkpoints": len(record.checkpoint_steps),
+        "latent_shape": list(record.latent_shape),
+        "hits": record.hits,
+        "steps_saved": record.steps_saved,
+        "size_bytes": record.size_bytes,
+        "created": record.created,
+        "last_used": record.last_used,
+        "reused_from": record.reused_from,
+        "corrupt": record.corrupt,
+        "decision": {key: decision[key] for key in ("reuse", "risk", "resume_step", "model_calls",
+                                                    "expected_speedup", "entry_id") if key in decision},
+    })
+
+
+def empty_stats(directory: str, size_limit_bytes: int = 0) -> dict:
+    return {"entries": 0, "corrupt": 0, "bytes": 0, "size_limit_bytes": size_limit_bytes, "hits": 0,
+            "steps_saved": 0, "directory": directory}
+
+
+def list_entries(store: Optional[CarnatorStore]) -> dict:
+    records = store.records(include_corrupt=True) if store is not None else []
+    entries = [record_json(r) for r in sorted(records, key=lambda r: r.created, reverse=True)]
+    directory = store.directory if store is not None else _normalise(default_cache_dir())
+    return {"directory": directory, "entries": entries}
+
+
+def store_stats(store: Optional[CarnatorStore]) -> dict:
+    stats = store.stats() if store is not None else empty_stats(_normalise(default_cache_dir()))
+    return json_safe({**stats, "stores": store_directories()})
+
+
+def entry_thumbnail(store: Optional[CarnatorStore], entry_id: str) -> bytes:
+    check_entry_id(entry_id)
+    if store is None:
+        raise RequestError(404, f"no cache entry {entry_id}: the cache is empty")
+    try:
+        store.record(entry_id)
+    except StoreError:
+        raise RequestError(404, f"no cache entry {entry_id} (deleted or evicted?)") from None
+    data = store.thumbnail(entry_id)
+    if not data.startswith(PNG_SIGNATURE):
+        raise RequestError(404, f"cache entry {entry_id} has no thumbnail")
+    return data
+
+
+def delete_entry(store: Optional[CarnatorStore], entry_id: str) -> dict:
+    check_entry_id(entry_id)
+    if store is None or not store.delete(entry_id):
+        raise RequestError(404, f"no cache entry {entry_id} (already deleted or evicted?)")
+    log.info("carnator: cache entry %s deleted from the web UI", entry_id)
+    return {"deleted": entry_id}
+
+
+def clear_store(store: Optional[CarnatorStore], body) -> dict:
+    if not clear_confirmed(body):
+        raise RequestError(400, 'clearing the cache deletes every entry: send the JSON body {"confirm": true}')
+    count = store.clear() if store is not None else 0
+    log.info("carnator: cache %s cleared from the web UI (%d entries)",
+             store.directory if store is not None else "(default, empty)", count)
+    return {"deleted": count}
+
+
+# ---- aiohttp handlers ---------------------------------------------------------------------------
+
+def _web():
+    from aiohttp import web  # ComfyUI's server dependency; imported late so the logic above needs none
+    return web
+
+
+def _error(status: int, message: str):
+    return _web().json_response({"error": message, "status": status}, status=status)
+
+
+async def _call(request, job, *args):
+    """job(store named by ?cache=, *args) in a worker thread: store work never blocks the server."""
+    cache = request.query.get("cache")
+
+    def work():
+        return job(resolve_store(cache), *args)
+    return await asyncio.to_thread(work)
+
+
+def _handler(work):
+    async def handle(request):
+        try:
+            return await work(request)
+        except RequestError as error:
+            return _error(error.status, error.message)
+        except Exception as error:  # noqa: BLE001 - the browser gets a message, the log gets the trace
+            log.exception("carnator: %s %s failed", request.method, request.path)
+            return _error(500, f"Carnator could not answer {request.method} {request.path}: {error}")
+    handle.__name__ = f"carnator{work.__name__}"
+    return handle
+
+
+async def _entries(request):
+    return _web().json_response(await _call(request, list_entries))
+
+
+async def _thumbnail(request):
+    data = await _call(request, entry_thumbnail, request.match_info["entry_id"])
+    return _web().Response(body=data, content_type="image/png", headers={"Cache-Control": "private, max-age=3600"})
+
+
+async def _delete(request):
+    return _web().json_response(await _call(request, delete_entry, request.match_info["entry_id"]))
+
+
+async def _clear(request):
+    try:
+        body = await request.json() if request.can_read_body else None
+    except ValueError:
+        return _error(400, "the request body is not JSON: send {\"confirm\": true}")
+    return _web().json_response(await _call(request, clear_store, body))
+
+
+async def _stats(request):
+    return _web().json_response(await _call(request, store_stats))
+
+
+ROUTES = (
+    ("GET", PREFIX + "/entries", _entries),
+    ("GET", PREFIX + "/entries/{entry_id}/thumbnail", _thumbnail),
+    ("DELETE", PREFIX + "/entries/{entry_id}", _delete),
+    ("POST", PREFIX + "/clear", _clear),
+    ("GET", PREFIX + "/stats", _stats),
+)
+
+
+def add_routes(routes) -> bool:
+    """Adds the Carnator routes to an aiohttp RouteTableDef (PromptServer.instance.routes) once.
+
+    Returns False when they are already there (the module imported under a second name).
+    """
+    present = {(getattr(r, "method", ""), getattr(r, "path", "")) for r in routes}
+    if ("GET", PREFIX + "/stats") in present:
+        return False
+    for method, path, work in ROUTES:
+        routes.route(method, path)(_handler(work))
+    return True
+
+
+def register_with_host() -> bool:
+    """Registers on ComfyUI's running PromptServer, if this process is ComfyUI (never imports it)."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None:
+        return False
+    return add_routes(instance.routes)
+
+
+register_with_host()

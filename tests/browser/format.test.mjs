@@ -1,0 +1,75 @@
+// Unit tests of web/lib/format.js (pure functions): `node --test tests/browser/format.test.mjs`.
+import assert from "node:assert/strict";
+import test from "node:test";
+
+import {
+  decisionBadge, decisionLines, entryLines, formatAge, formatBytes, formatSpeedup, isCarnatorNodeType, modelLabel,
+  nodeIdPath, statsText,
+} from "../../web/lib/format.js";
+
+test("bytes", () => {
+  assert.equal(formatBytes(0), "0 B");
+  assert.equal(formatBytes(1023), "1023 B");
+  assert.equal(formatBytes(1536), "1.50 KiB");
+  assert.equal(formatBytes(8 * 2 ** 30), "8.00 GiB");
+  assert.equal(formatBytes(150 * 2 ** 20), "150 MiB");
+  assert.equal(formatBytes(-1), "?");
+  assert.equal(formatBytes("x"), "?");
+});
+
+test("ages", () => {
+  const now = 1_000_000 * 1000;
+  assert.equal(formatAge(1_000_000 - 10, now), "just now");
+  assert.equal(formatAge(1_000_000 - 300, now), "5 min ago");
+  assert.equal(formatAge(1_000_000 - 7200, now), "2 h ago");
+  assert.equal(formatAge(1_000_000 - 3 * 86400, now), "3 d ago");
+  assert.equal(formatAge(undefined, now), "?");
+});
+
+test("entry lines and model label", () => {
+  const entry = { model: "", bucket: "0123456789abcdef01234567", steps: 30, latent_shape: [1, 16, 3, 8, 8],
+    size_bytes: 2048, hits: 1, steps_saved: 12, created: 1_000_000 - 120 };
+  assert.equal(modelLabel(entry), "bucket 01234567");
+  assert.equal(modelLabel({ ...entry, model: "wan2.1_t2v_1.3B" }), "wan2.1_t2v_1.3B");
+  assert.deepEqual(entryLines(entry, 1_000_000 * 1000), [
+    "bucket 01234567 · 30 steps · 3×8×8 · 2.00 KiB",
+    "1 hit · 12 steps saved · 2 min ago",
+  ]);
+});
+
+test("stats", () => {
+  assert.equal(statsText({ entries: 1, bytes: 1024, size_limit_bytes: 2 ** 30, hits: 0, steps_saved: 0, corrupt: 0 }),
+    "1 entry · 1.00 KiB of 1.00 GiB · 0 hits · 0 steps saved");
+  assert.match(statsText({ entries: 2, bytes: 0, size_limit_bytes: 0, hits: 3, steps_saved: 9, corrupt: 1 }),
+    /2 entries .* 3 hits · 9 steps saved · 1 corrupt$/);
+});
+
+test("decision badge and lines", () => {
+  const hit = { node: "7", reuse: true, risk: "balanced", resume_step: 12, probe_steps: 3, steps: 30,
+    model_calls: 21, expected_speedup: 1.4286, reasons: ["reuse entry abc", "risk 0.40 of the limit"],
+    entry_id: "0123456789abcdef" };
+  assert.equal(decisionBadge(hit).text, "HIT k=12/30 · 1.43×");
+  assert.equal(decisionBadge(hit).bg, "#2e7d32");
+  const lines = decisionLines(hit);
+  assert.equal(lines[0], "HIT: resume at step 12 of 30 · risk balanced");
+  assert.ok(lines.includes("probe 3 steps · 21 model calls · expected 1.43×"));
+  assert.deepEqual(lines.slice(-2), ["• reuse entry abc", "• risk 0.40 of the limit"]);
+
+  const miss = { node: "7", reuse: false, risk: "safe", resume_step: 3, probe_steps: 3, steps: 30, model_calls: 30,
+    expected_speedup: 1, reasons: ["no earlier generation"] };
+  assert.equal(decisionBadge(miss).text, "MISS · 30 steps");
+  assert.equal(decisionLines(miss)[0], "MISS: full run of 30 steps · risk safe");
+  assert.equal(decisionBadge(null).text, "");
+  assert.equal(decisionBadge({ error: "boom" }).text, "Carnator: error");
+  assert.equal(formatSpeedup(12.345), "12.3×");
+});
+
+test("node ids and types", () => {
+  assert.deepEqual(nodeIdPath("12"), ["12"]);
+  assert.deepEqual(nodeIdPath(12), ["12"]);
+  assert.deepEqual(nodeIdPath("5:12"), ["5", "12"]);
+  assert.deepEqual(nodeIdPath(null), []);
+  assert.ok(isCarnatorNodeType("CarnatorSampler"));
+  assert.ok(!isCarnatorNodeType("KSampler"));
+  assert.ok(!isCarnatorNodeType(undefined));
+});

@@ -1,0 +1,230 @@
+"""The cache browser's HTTP routes: validation and serialisation as plain functions, then the aiohttp
+handlers through aiohttp's test client (no ComfyUI needed; skipped where aiohttp is absent).
+The same routes inside a real ComfyUI server: tests/test_host_routes.py."""
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+
+from carnator_engine.euler import TinyDiTRunner
+from carnator_engine.pipeline import CarnatorConfig, generate
+from carnator_engine.schedule import flow_sigmas
+
+routes = pytest.importorskip("nodes.routes", reason="nodes.routes does not import here")
+stores = pytest.importorskip("nodes.stores")
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    """A fresh store registry whose default store lives under tmp_path."""
+    monkeypatch.setattr(stores, "_stores", {})
+    default = str(tmp_path / "default_store")
+    monkeypatch.setattr(routes, "default_cache_dir", lambda: default)
+    yield default
+    for store in stores.known_stores().values():
+        store.close()
+
+
+def make_entry(store, model, prompt, seed=0):
+    runner = TinyDiTRunner(model, prompt)
+    noise = torch.randn((1,) + (3, 8, 32, 32), generator=torch.Generator().manual_seed(seed))
+    result = generate(runner, noise, flow_sigmas(6), store, CarnatorConfig(probe_steps=2), prompt=prompt, seed=seed)
+    assert result.entry_id
+    return result.entry_id
+
+
+# ---- plain functions ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["", "0123", "0123456789ABCDEF", "0123456789abcdeg", "0123456789abcdef0",
+                                 "../../etc/passwd", "0123456789abcdef\n", None, 5])
+def test_entry_ids_are_16_lowercase_hex(bad):
+    with pytest.raises(routes.RequestError) as caught:
+        routes.check_entry_id(bad)
+    assert caught.value.status == 400 and "16 lowercase hex" in caught.value.message
+
+
+def test_a_valid_entry_id_passes():
+    assert routes.check_entry_id("0123456789abcdef") == "0123456789abcdef"
+
+
+def test_default_store_is_not_created_by_reading(registry):
+    assert routes.resolve_store(None) is None
+    assert routes.resolve_store("") is None
+    assert not os.path.exists(registry)
+    assert routes.list_entries(None)["entries"] == []
+    assert routes.store_stats(None)["entries"] == 0
+
+
+def test_cache_parameter_must_name_a_known_store(registry, tmp_path):
+    other = stores.open_store(str(tmp_path / "other"), 64 << 20)
+    assert routes.resolve_store(str(tmp_path / "other")) is other
+    assert routes.resolve_store(str(tmp_path / "other") + "/") is other
+    assert routes.resolve_store(str(tmp_path / "x" / ".." / "other")) is other  # same store, spelled otherwise
+    for attempt in [str(tmp_path), str(tmp_path / "other" / ".."), "/etc", "../../etc", "other",
+                    str(tmp_path / "other") + "\x00", "/" + "a" * 5000]:
+        with pytest.raises(routes.RequestError) as caught:
+            routes.resolve_store(attempt)
+        assert caught.value.status == 400
+    assert not os.path.exists(tmp_path / "default_store")
+    listed = [s["directory"] for s in routes.store_directories()]
+    assert listed == [os.path.normpath(registry), os.path.normpath(str(tmp_path / "other"))]
+
+
+def test_json_safe_turns_what_json_cannot_carry_into_null_or_text():
+    value = {"a": float("nan"), "b": [1.5, float("inf")], "c": torch.tensor([1.0, 2.0]), 3: object}
+    safe = routes.json_safe(value)
+    assert safe["a"] is None and safe["b"] == [1.5, None] and safe["c"] == [1.0, 2.0]
+    assert isinstance(safe["3"], str)
+    json.dumps(safe, allow_nan=False)
+
+
+def test_record_json_and_store_functions(registry, tiny_model):
+    store = stores.open_store(registry, 64 << 20)
+    first = make_entry(store, tiny_model, "a red circle moving left on black background", seed=1)
+    second = make_entry(store, tiny_model, "a blue square moving up on white background", seed=2)
+    listing = routes.list_entries(routes.resolve_store(None))
+    assert [e["id"] for e in listing["entries"]] == [second, first]  # newest first
+    entry = listing["entries"][1]
+    assert entry["prompt"] == "a red circle moving left on black background"
+    assert entry["steps"] == 6 and entry["probe_steps"] == 2 and entry["hits"] == 0
+    assert entry["size_bytes"] > 0 and entry["bucket"] and entry["created"] > 0
+    assert entry["decision"]["reuse"] is False and "expected_speedup" in entry["decision"]
+    json.dumps(listing, allow_nan=False)
+
+    png = routes.entry_thumbnail(store, first)
+    assert png.startswith(routes.PNG_SIGNATURE)
+    stats = routes.store_stats(store)
+    assert stats["entries"] == 2 and stats["stores"][0]["default"] is True
+
+    assert routes.delete_entry(store, first) == {"deleted": first}
+    with pytest.raises(routes.RequestError) as caught:
+        routes.delete_entry(store, first)
+    assert caught.value.status == 404
+    with pytest.raises(routes.RequestError) as caught:
+        routes.entry_thumbnail(store, first)
+    assert caught.value.status == 404
+
+    with pytest.raises(routes.RequestError) as caught:
+        routes.clear_store(store, {"confirm": "yes"})
+    assert caught.value.status == 400
+    assert routes.clear_store(store, {"confirm": True}) == {"deleted": 1}
+    assert store.records(include_corrupt=True) == []
+
+
+def test_corrupt_entries_are_listed_with_their_reason(registry, tiny_model):
+    store = stores.open_store(registry, 64 << 20)
+    entry = make_entry(store, tiny_model, "a green triangle moving right on gray background")
+    store._cache.set(("blob", entry), b"garbage")
+    record = store.record(entry)
+    with pytest.raises(Exception):
+        store.trajectory(record)
+    listed = routes.list_entries(store)["entries"][0]
+    assert listed["id"] == entry and "checksum" in listed["corrupt"]
+
+
+def test_add_routes_is_idempotent():
+    web = pytest.importorskip("aiohttp.web")
+    table = web.RouteTableDef()
+    assert routes.add_routes(table) is True
+    assert routes.add_routes(table) is False
+    assert sorted((r.method, r.path) for r in table) == sorted((m, p) for m, p, _ in routes.ROUTES)
+
+
+# ---- aiohttp handlers ---------------------------------------------------------------------------
+
+def run_client(scenario):
+    web = pytest.importorskip("aiohttp.web")
+    test_utils = pytest.importorskip("aiohttp.test_utils")
+
+    async def main():
+        table = web.RouteTableDef()
+        routes.add_routes(table)
+        app = web.Application()
+        app.add_routes(table)
+        async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+            await scenario(client)
+    asyncio.run(main())
+
+
+def test_handlers_over_http(registry, tiny_model, tmp_path):
+    store = stores.open_store(registry, 64 << 20)
+    kept = make_entry(store, tiny_model, "a red circle moving left on black background", seed=1)
+    gone = make_entry(store, tiny_model, "a red circle moving right on black background", seed=2)
+    other = stores.open_store(str(tmp_path / "other_store"), 64 << 20)
+    elsewhere = make_entry(other, tiny_model, "a cyan square moving down on white background", seed=3)
+
+    async def scenario(client):
+        response = await client.get("/carnator/entries")
+        assert response.status == 200
+        body = await response.json()
+        assert {e["id"] for e in body["entries"]} == {kept, gone}
+
+        response = await client.get("/carnator/entries", params={"cache": other.directory})
+        assert [e["id"] for e in (await response.json())["entries"]] == [elsewhere]
+
+        response = await client.get(f"/carnator/entries/{kept}/thumbnail")
+        assert response.status == 200 and response.content_type == "image/png"
+        assert (await response.read()).startswith(routes.PNG_SIGNATURE)
+
+        response = await client.get("/carnator/stats")
+        stats = await response.json()
+        assert stats["entries"] == 2 and stats["bytes"] > 0
+        assert {s["directory"] for s in stats["stores"]} == {store.directory, other.directory}
+
+        for method, path in [("GET", "/carnator/entries/NOT-AN-ID/thumbnail"),
+                             ("DELETE", "/carnator/entries/0123456789ABCDEF"),
+                             ("DELETE", "/carnator/entries/..%2F..%2Fcache.db")]:
+            response = await client.request(method, path)
+            assert response.status in (400, 404), path
+            if response.status == 400:
+                assert "hex" in (await response.json())["error"]
+
+        response = await client.delete("/carnator/entries/ffffffffffffffff")
+        assert response.status == 404 and "no cache entry" in (await response.json())["error"]
+
+        for attempt in ["/etc", "../..", str(tmp_path), os.path.join(other.directory, "..")]:
+            response = await client.get("/carnator/entries", params={"cache": attempt})
+            assert response.status == 400, attempt
+            assert "not a Carnator store" in (await response.json())["error"] or "absolute" in \
+                (await response.json())["error"]
+
+        response = await client.delete(f"/carnator/entries/{gone}")
+        assert response.status == 200 and (await response.json()) == {"deleted": gone}
+        response = await client.get(f"/carnator/entries/{gone}/thumbnail")
+        assert response.status == 404
+
+        response = await client.post("/carnator/clear")
+        assert response.status == 400
+        response = await client.post("/carnator/clear", data="not json", headers={"Content-Type": "application/json"})
+        assert response.status == 400
+        response = await client.post("/carnator/clear", json={"confirm": True})
+        assert (await response.json()) == {"deleted": 1}
+        response = await client.get("/carnator/entries")
+        assert (await response.json())["entries"] == []
+        response = await client.get("/carnator/entries", params={"cache": other.directory})
+        assert len((await response.json())["entries"]) == 1  # clearing one store leaves the others
+
+    run_client(scenario)
+    assert store.records(include_corrupt=True) == []
+
+
+def test_unexpected_failures_are_json_500(registry):
+    web = pytest.importorskip("aiohttp.web")
+    test_utils = pytest.importorskip("aiohttp.test_utils")
+
+    def broken(_store):
+        raise OSError("disk on fire")
+
+    async def work(request):
+        return web.json_response(await routes._call(request, broken))
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/boom", routes._handler(work))
+        async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+            response = await client.get("/boom")
+            body = await response.json()
+            assert response.status == 500 and body["status"] == 500 and "disk on fire" in body["error"]
+    asyncio.run(main())

@@ -1,0 +1,112 @@
+// Pure formatting for the Carnator UI: no DOM, no ComfyUI; unit-tested with `node --test` (tests/browser/format.test.mjs).
+
+const UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
+
+export function formatBytes(bytes) {
+  let value = Number(bytes);
+  if (!Number.isFinite(value) || value < 0) return "?";
+  let unit = 0;
+  while (value >= 1024 && unit < UNITS.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  const digits = unit === 0 || value >= 100 ? 0 : value >= 10 ? 1 : 2;
+  return `${value.toFixed(digits)} ${UNITS[unit]}`;
+}
+
+/** `created` is a Unix time in seconds (the store's time.time()); nowMs defaults to Date.now(). */
+export function formatAge(created, nowMs = Date.now()) {
+  const seconds = nowMs / 1000 - Number(created);
+  if (!Number.isFinite(seconds)) return "?";
+  if (seconds < 45) return "just now";
+  const steps = [[60, "min", 60], [3600, "h", 24], [86400, "d", 30], [2592000, "mo", 12]];
+  for (const [size, label, limit] of steps) {
+    const count = Math.round(seconds / size);
+    if (count < limit) return `${Math.max(1, count)} ${label} ago`;
+  }
+  return `${Math.round(seconds / 31536000)} y ago`;
+}
+
+export function formatDate(created) {
+  const date = new Date(Number(created) * 1000);
+  return Number.isNaN(date.getTime()) ? "?" : date.toLocaleString();
+}
+
+export function formatSpeedup(value) {
+  const number = Number(value);
+  return Number.isFinite(number) ? `${number.toFixed(number >= 10 ? 1 : 2)}×` : "?";
+}
+
+/** The model label of an entry: its model name when the host recorded one, else its bucket's head. */
+export function modelLabel(entry) {
+  if (entry.model) return String(entry.model);
+  return entry.bucket ? `bucket ${String(entry.bucket).slice(0, 8)}` : "unknown model";
+}
+
+export function statsText(stats) {
+  if (!stats) return "";
+  const parts = [
+    `${stats.entries} ${stats.entries === 1 ? "entry" : "entries"}`,
+    `${formatBytes(stats.bytes)} of ${formatBytes(stats.size_limit_bytes)}`,
+    `${stats.hits} ${stats.hits === 1 ? "hit" : "hits"}`,
+    `${stats.steps_saved} steps saved`,
+  ];
+  if (stats.corrupt) parts.push(`${stats.corrupt} corrupt`);
+  return parts.join(" · ");
+}
+
+/** One line under an entry's prompt. */
+export function entryLines(entry, nowMs = Date.now()) {
+  const shape = Array.isArray(entry.latent_shape) && entry.latent_shape.length === 5
+    ? ` · ${entry.latent_shape.slice(2).join("×")}` : "";
+  return [
+    `${modelLabel(entry)} · ${entry.steps} steps${shape} · ${formatBytes(entry.size_bytes)}`,
+    `${entry.hits} ${entry.hits === 1 ? "hit" : "hits"} · ${entry.steps_saved} steps saved · ${formatAge(entry.created, nowMs)}`,
+  ];
+}
+
+/** The badge on a Carnator node: short, read at a glance. */
+export function decisionBadge(decision) {
+  if (!decision) return { text: "", fg: "#ffffff", bg: "#555555" };
+  if (decision.error) return { text: "Carnator: error", fg: "#ffffff", bg: "#b3261e" };
+  const steps = Number(decision.steps);
+  if (decision.reuse) {
+    return {
+      text: `HIT k=${decision.resume_step}/${steps} · ${formatSpeedup(decision.expected_speedup)}`,
+      fg: "#ffffff",
+      bg: "#2e7d32",
+    };
+  }
+  return { text: `MISS · ${Number.isFinite(steps) ? steps : "?"} steps`, fg: "#ffffff", bg: "#5f6368" };
+}
+
+/** The longer text of the decision widget; its last lines are the gate's reasons. */
+export function decisionLines(decision) {
+  if (!decision) return ["No Carnator decision yet: queue the workflow."];
+  if (decision.error) return [`Carnator error: ${decision.error}`];
+  const lines = [];
+  const risk = decision.risk ? ` · risk ${decision.risk}` : "";
+  if (decision.reuse) {
+    lines.push(`HIT: resume at step ${decision.resume_step} of ${decision.steps}${risk}`);
+    if (decision.entry_id) lines.push(`reused entry ${decision.entry_id}`);
+  } else {
+    lines.push(`MISS: full run of ${decision.steps} steps${risk}`);
+  }
+  const calls = Number.isFinite(Number(decision.model_calls)) ? `${decision.model_calls} model calls` : "";
+  const probe = Number.isFinite(Number(decision.probe_steps)) ? `probe ${decision.probe_steps} steps` : "";
+  lines.push([probe, calls, `expected ${formatSpeedup(decision.expected_speedup)}`].filter(Boolean).join(" · "));
+  if (decision.stored_as) lines.push(`stored as ${decision.stored_as}`);
+  for (const warning of decision.warnings || []) lines.push(`warning: ${warning}`);
+  for (const reason of decision.reasons || []) lines.push(`• ${reason}`);
+  return lines;
+}
+
+/** A node's id from the websocket payload: "12", or "5:12" for a node inside a subgraph. */
+export function nodeIdPath(id) {
+  if (id === undefined || id === null) return [];
+  return String(id).split(":").filter((part) => part.length > 0);
+}
+
+export function isCarnatorNodeType(type) {
+  return typeof type === "string" && type.startsWith("Carnator");
+}
