@@ -1,0 +1,28 @@
+"""Carnator: cross-request trajectory reuse for text-to-video models, as ComfyUI custom nodes.
+
+ComfyUI imports this file as a package named after the plugin's folder. The nodes and the web routes
+import the engine as the top-level package `carnator_engine` (one module identity for both), so the
+plugin folder goes on sys.path; it is appended, so ComfyUI's own top-level modules (its `nodes.py`)
+always win over this plugin's `nodes/` package, which is only ever imported relatively.
+"""
+import logging
+import os
+import sys
+
+_PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__))
+if _PLUGIN_DIR not in sys.path:
+    sys.path.append(_PLUGIN_DIR)
+
+from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+
+try:
+    from .nodes import routes  # noqa: F401,E402  (the cache browser's HTTP routes)
+except ModuleNotFoundError as error:
+    if not (error.name or "").endswith("nodes.routes"):
+        logging.getLogger("carnator").warning("carnator: web routes not loaded: %s", error)
+except Exception as error:  # the nodes work without the browser: never block them on it
+    logging.getLogger("carnator").warning("carnator: web routes not loaded: %s", error)
+
+WEB_DIRECTORY = "./web"
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

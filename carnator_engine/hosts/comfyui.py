@@ -1,0 +1,485 @@
+"""ComfyUI runner: ComfyUI's own samplers, models and patches under the engine's Runner contract.
+
+`ComfyRunner.run(x, sigmas, start, end, observer)` runs steps [start, end) with comfy.sample.sample_custom
+on a clone of the MODEL, patched for that run only (key "carnator"; nothing global is touched and no
+model forward is copied):
+- WrappersMP.PREDICT_NOISE: one call per model evaluation, with the model-space x and its sigma. The first
+  evaluation at a schedule sigma starts that step (observer.begin_step).
+- the sampler callback (step, x0, x): the step's denoised estimate (observer.step_end, sent once the latent
+  leaving the step is known) and the sampler's own x entering the step, kept as the checkpoint (samplers
+  that evaluate a predictor at the next sigma, e.g. heun, would otherwise start a step with the predictor).
+- patches_replace["dit"][("double_block", i)]: runs the block (or the replacement another node installed
+  there) with block_index set on a copy of transformer_options, then observer.block_output(i, hidden).
+- transformer_options["optimized_attention_override"]: chained to any override already installed
+  (SageAttention nodes and the like); self-attention over the video tokens goes through
+  observer.self_attention with the rest of the chain as its `dense` function.
+
+Latent spaces: the engine works in model space (ComfyUI's process_latent_in). Flow models start sampling
+from sigma * noise + (1 - sigma) * latent, so a run entering at sigma = 1 passes x as the noise, and any
+other entry passes zero noise and the latent x / (1 - sigma) in the latent format; the sampler's output is
+mapped back the same way. ComfyUI is imported inside functions only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..backbones import LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
+from ..fingerprint import module_fingerprint
+
+log = logging.getLogger("carnator.comfyui")
+
+HOOK_KEY = "carnator"
+
+StepCallback = Callable[[int, torch.Tensor, torch.Tensor, int], None]
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class HostBackbone:
+    model_class: str      # ComfyUI's model_base class, e.g. "WAN21"
+    layout: BackboneLayout
+    blocks: str           # attribute of the diffusion model that holds its transformer blocks
+    num_blocks: int
+
+
+# model_base class -> (diffusion model class, blocks attribute, layout by latent channels). Each of these
+# runs its transformer blocks through patches_replace["dit"][("double_block", i)] and its video
+# self-attention through optimized_attention with q, k, v as [B, L, heads * D], tokens frame-major.
+_SUPPORTED = {
+    "WAN21": ("WanModel", "blocks", {16: WAN21}),             # Wan 2.1 T2V/I2V, Wan 2.2 A14B
+    "WAN22": ("WanModel", "blocks", {48: WAN22_5B}),          # Wan 2.2 TI2V 5B
+    "LTXV": ("LTXVModel", "transformer_blocks", {128: LTX_VIDEO}),
+}
+SUPPORTED_TEXT = "Wan 2.1 / Wan 2.2 (ComfyUI classes WAN21, WAN22) and LTX-Video (LTXV)"
+
+_WHY_NOT = {
+    "HunyuanVideo": "its blocks attend over video and text tokens jointly, so the video self-attention the "
+                    "signature and sparse reuse rely on is not separable",
+    "HunyuanVideoI2V": "its blocks attend over video and text tokens jointly",
+    "HunyuanVideoSkyreelsI2V": "its blocks attend over video and text tokens jointly",
+    "WAN21_Vace": "VACE adds control blocks whose states are not part of the signature",
+    "WAN21_Camera": "camera control changes the trajectory outside the conditioning Carnator compares",
+    "WAN21_HuMo": "audio/reference conditioning is not compared by the signature",
+    "WAN22_S2V": "speech-to-video uses its own forward pass",
+    "WAN22_Animate": "animate uses its own forward pass",
+}
+
+
+def _patch_size(diffusion) -> Optional[tuple]:
+    size = getattr(diffusion, "patch_size", None)
+    if size is None:
+        size = getattr(getattr(diffusion, "patchifier", None), "patch_size", None)
+    return tuple(int(s) for s in size) if size is not None else None
+
+
+def backbone_for(model) -> HostBackbone:
+    """The backbone behind a ComfyUI MODEL (ModelPatcher), or UnsupportedModelError naming its class."""
+    base = getattr(model, "model", None)
+    name = type(base).__name__
+    diffusion = getattr(base, "diffusion_model", None)
+    entry = _SUPPORTED.get(name)
+    if entry is None or type(diffusion).__name__ != entry[0]:
+        why = _WHY_NOT.get(name)
+        raise UnsupportedModelError(
+            f"Carnator: unsupported model {name} (diffusion model {type(diffusion).__name__})"
+            + (f": {why}" if why else "") + f". Carnator supports {SUPPORTED_TEXT}; use a regular KSampler "
+            "for this model")
+    diffusion_class, blocks, layouts = entry
+    channels = int(base.latent_format.latent_channels)
+    layout = layouts.get(channels)
+    if layout is None:
+        raise UnsupportedModelError(
+            f"Carnator: unsupported model {name} with {channels} latent channels (expected "
+            f"{' or '.join(str(c) for c in layouts)})")
+    patch = _patch_size(diffusion)
+    if patch is not None and patch != tuple(layout.patch_size):
+        layout = dataclasses.replace(layout, patch_size=patch)
+    import comfy.model_sampling
+    sampling = model.get_model_object("model_sampling")
+    if not isinstance(sampling, comfy.model_sampling.CONST):
+        raise UnsupportedModelError(
+            f"Carnator: model {name} samples with {type(sampling).__name__}, not a flow-matching (CONST) "
+            "schedule: Carnator resumes along flow trajectories only")
+    return HostBackbone(name, layout, blocks, len(getattr(diffusion, blocks)))
+
+
+# ---- fingerprint ------------------------------------------------------------------------------
+
+_BASE_WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _LoadedWeights:
+    """The diffusion model's weights as loaded from disk. While a patched clone (a LoRA) is loaded, ComfyUI
+    patches the shared weights in place and keeps the originals in the patcher's `backup`: those are read
+    instead, so every clone of one model sees the same base weights."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        backup = getattr(self.model, "backup", None) or {}
+        weights = self.model.model.diffusion_model.state_dict()
+        for name in weights:
+            saved = backup.get("diffusion_model." + name)
+            if saved is not None:
+                weights[name] = saved.weight
+        return weights
+
+
+def _digest(digest, value, depth: int = 0) -> None:
+    """Adds a deterministic summary of a patch's data (tensors sampled, adapters by their weights)."""
+    if depth > 8:
+        digest.update(b"<deep>")
+    elif torch.is_tensor(value):
+        flat = value.detach().reshape(-1)
+        digest.update(f"T{tuple(value.shape)}{value.dtype}".encode())
+        if flat.numel():
+            sample = flat[::max(1, flat.numel() // 4096)].to("cpu", torch.float32).contiguous()
+            digest.update(sample.numpy().tobytes())
+    elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        digest.update(repr(value).encode())
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"[{len(value)}".encode())
+        for item in value:
+            _digest(digest, item, depth + 1)
+    elif isinstance(value, dict):
+        for key in sorted(value, key=str):
+            digest.update(str(key).encode())
+            _digest(digest, value[key], depth + 1)
+    elif hasattr(value, "weights"):  # comfy.weight_adapter adapters (LoRA, LoHa, LoKr, ...)
+        digest.update(type(value).__qualname__.encode())
+        _digest(digest, value.weights, depth + 1)
+    else:
+        digest.update(getattr(value, "__qualname__", type(value).__qualname__).encode())
+
+
+def _patches_digest(patches: dict) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(patches):
+        digest.update(str(key).encode())
+        for entry in patches[key]:
+            _digest(digest, entry)
+    return digest.hexdigest()
+
+
+def host_version() -> str:
+    try:
+        import comfyui_version
+        return str(comfyui_version.__version__)
+    except Exception:  # a ComfyUI checkout without the generated version file
+        return "unknown"
+
+
+def model_fingerprint(model, backbone: HostBackbone) -> str:
+    """Weights (sampled) + patches/LoRAs with strengths + object patches + dtype + host version."""
+    diffusion = model.model.diffusion_model
+    weights = _BASE_WEIGHTS.get(diffusion)
+    if weights is None:
+        weights = _BASE_WEIGHTS[diffusion] = module_fingerprint(_LoadedWeights(model))
+    base = model.model
+    parts = [weights, backbone.model_class, type(diffusion).__name__, backbone.layout.name,
+             str(backbone.layout.patch_size), str(model.model_dtype()), str(getattr(base, "manual_cast_dtype", None)),
+             type(base.latent_format).__name__, f"comfyui={host_version()}",
+             "patches=" + _patches_digest(model.patches)]
+    for name in sorted(model.object_patches):
+        value = model.object_patches[name]
+        simple = value is None or isinstance(value, (bool, int, float, str, torch.dtype))
+        parts.append(f"object:{name}={value!r}" if simple else f"object:{name}={type(value).__qualname__}")
+    for name in sorted(getattr(model, "weight_wrapper_patches", {}) or {}):
+        parts.append(f"weight_wrapper:{name}x{len(model.weight_wrapper_patches[name])}")
+    hooks = getattr(model, "hook_patches", None) or {}
+    if hooks:
+        parts.append("hooks=" + ",".join(sorted(_patches_digest(p) for p in hooks.values())))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+_GUIDANCE_OPTIONS = ("sampler_cfg_function", "sampler_pre_cfg_function", "sampler_post_cfg_function",
+                     "sampler_calc_cond_batch_function", "model_function_wrapper", "disable_cfg1_optimization")
+
+
+def _guidance_text(model_options: dict) -> str:
+    """Names of the guidance functions other nodes installed (CFG rescaling etc.): they shape the trajectory."""
+    names = []
+    for key in _GUIDANCE_OPTIONS:
+        value = model_options.get(key)
+        if not value:
+            continue
+        items = value if isinstance(value, (list, tuple)) else [value]
+        names.append(key + "=" + "+".join(getattr(f, "__qualname__", type(f).__qualname__) for f in items))
+    return ";".join(names)
+
+
+# ---- one run ----------------------------------------------------------------------------------
+
+class _Run:
+    """State of one run() call: which step the sampler is in and the observer it reports to."""
+
+    def __init__(self, observer, layout: BackboneLayout, sigmas: torch.Tensor, start: int, end: int,
+                 total_steps: int, step_callback: Optional[StepCallback]):
+        self.observer = observer
+        self.layout = layout
+        self.sigmas = [float(s) for s in sigmas[start:end + 1]]
+        self.start = start
+        self.count = end - start
+        self.total_steps = total_steps
+        self.step_callback = step_callback
+        self.local: Optional[int] = None     # step of the sub-run in progress
+        self.ended: set = set()
+        self.denoised: dict = {}             # local step -> x0 from the sampler callback
+        self.first_denoised: dict = {}       # local step -> x0 of its first evaluation (fallback)
+        self.tokens: Optional[int] = None
+        self.evaluations = 0
+
+    # PREDICT_NOISE wrapper
+    def before_evaluation(self, x: torch.Tensor, timestep: torch.Tensor) -> None:
+        sigma = float(timestep.reshape(-1)[0])
+        self.tokens = math.prod(self.layout.token_grid(x.shape))
+        first = 0 if self.local is None else self.local + 1
+        match = next((j for j in range(first, self.count)
+                      if math.isclose(self.sigmas[j], sigma, rel_tol=1e-4, abs_tol=1e-6)), None)
+        if match is None and self.local is None:
+            match = 0
+        if match is not None:
+            self._end_step(x)
+            self.local = match
+            self.observer.begin_step(self.start + match, x)
+        self.evaluations += 1
+
+    def after_evaluation(self, denoised: torch.Tensor) -> None:
+        if self.local is not None and self.local not in self.first_denoised:
+            self.first_denoised[self.local] = denoised
+
+    # sampler callback: (step within this sub-run, denoised, x entering the step, steps of the sub-run)
+    def callback(self, i: int, x0: torch.Tensor, x: torch.Tensor, _total: int) -> None:
+        step = self.start + int(i)
+        self.denoised[int(i)] = x0
+        if getattr(self.observer, "checkpoints", None) is not None:
+            self.observer.checkpoints.record(step, x)
+        if self.step_callback is not None:
+            self.step_callback(step, x0, x, self.total_steps)
+
+    def _end_step(self, x_next: torch.Tensor) -> None:
+        local = self.local
+        if local is None or local in self.ended:
+            return
+        denoised = self.denoised.pop(local, None)
+        fallback = self.first_denoised.pop(local, None)
+        denoised = denoised if denoised is not None else fallback
+        self.ended.add(local)
+        if denoised is not None:
+            self.observer.step_end(self.start + local, x_next, denoised)
+
+    def finish(self, x_end: torch.Tensor) -> None:
+        self._end_step(x_end)
+        self.denoised.clear()
+        self.first_denoised.clear()
+
+
+def _predict_noise_wrapper(run: _Run):
+    def wrapper(executor, *args, **kwargs):
+        run.before_evaluation(args[0], args[1])
+        out = executor(*args, **kwargs)
+        run.after_evaluation(out)
+        return out
+    return wrapper
+
+
+def _block_patch(run: _Run, index: int, inner):
+    def patch(args, extra):
+        options = dict(args.get("transformer_options") or {})
+        options["block_index"] = index          # on a copy: nothing leaks into other blocks or runs
+        args = dict(args, transformer_options=options)
+        out = inner(args, extra) if inner is not None else extra["original_block"](args)
+        run.observer.block_output(index, out["img"])
+        return out
+    return patch
+
+
+def _attention_override(run: _Run, previous):
+    def next_in_chain(func, *args, **kwargs):
+        if previous is not None:
+            return previous(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    def override(func, *args, **kwargs):
+        options = kwargs.get("transformer_options") or {}
+        block = options.get("block_index")
+        heads = args[3] if len(args) > 3 else kwargs.get("heads")
+        mask = args[4] if len(args) > 4 else kwargs.get("mask")
+        if block is None or heads is None or mask is not None or len(args) < 3:
+            return next_in_chain(func, *args, **kwargs)
+        q, k, v = args[:3]
+        split = bool(kwargs.get("skip_reshape", False))     # q, k, v already [B, heads, L, D]
+        merged_out = not kwargs.get("skip_output_reshape", False)
+        length_q = q.shape[2] if split else q.shape[1]
+        length_k = k.shape[2] if split else k.shape[1]
+        if length_q != length_k or length_q != run.tokens or q.dim() != (4 if split else 3):
+            return next_in_chain(func, *args, **kwargs)  # cross-attention, or tokens beyond the video grid
+        heads = int(heads)
+        batch = q.shape[0]
+        head_dim = q.shape[-1] if split else q.shape[-1] // heads
+
+        def to_heads(t):
+            return t if split else t.reshape(batch, t.shape[1], heads, head_dim).transpose(1, 2)
+
+        def from_heads(t):
+            return t if split else t.transpose(1, 2).reshape(batch, t.shape[2], heads * head_dim)
+
+        def dense(q4, k4, v4):
+            out = next_in_chain(func, from_heads(q4), from_heads(k4), from_heads(v4), *args[3:], **kwargs)
+            if merged_out:
+                return out.reshape(batch, out.shape[1], heads, head_dim).transpose(1, 2)
+            return out
+
+        out = run.observer.self_attention(int(block), to_heads(q), to_heads(k), to_heads(v), dense=dense)
+        if merged_out:
+            return out.transpose(1, 2).reshape(batch, out.shape[2], heads * head_dim)
+        return out
+
+    return override
+
+
+# ---- the runner -------------------------------------------------------------------------------
+
+class ComfyRunner:
+    """Runner for a ComfyUI MODEL: `layout`, `model_fingerprint`, `sampler`, `run`, `preview`."""
+
+    def __init__(self, model, positive, negative, cfg: float, sampler_name: str, scheduler: Optional[str] = None,
+                 sigmas: Optional[torch.Tensor] = None, steps: Optional[int] = None, seed: int = 0,
+                 step_callback: Optional[StepCallback] = None, disable_pbar: bool = True):
+        import comfy.samplers
+        self.backbone = backbone_for(model)
+        self.layout = self.backbone.layout
+        if sampler_name not in comfy.samplers.KSampler.SAMPLERS:
+            raise ValueError(f"unknown sampler_name {sampler_name!r}: choose one of "
+                             f"{', '.join(comfy.samplers.KSampler.SAMPLERS)}")
+        cfg = float(cfg)
+        if not math.isfinite(cfg) or cfg < 0:
+            raise ValueError(f"cfg={cfg} must be a finite number >= 0")
+        if sigmas is None:
+            if scheduler is None or steps is None:
+                raise ValueError("ComfyRunner needs either sigmas or a scheduler and a step count")
+            sigmas = self.schedule(model, sampler_name, scheduler, steps)
+        sigmas = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
+        if sigmas.numel() < 2:
+            raise ValueError(f"a schedule needs at least 2 sigmas, got {sigmas.numel()}")
+        self.model = model
+        self.positive = positive
+        self.negative = negative
+        self.cfg = cfg
+        self.sampler_name = sampler_name
+        self.scheduler = scheduler
+        self.sigmas = sigmas
+        self.seed = int(seed)
+        self.step_callback = step_callback
+        self.disable_pbar = disable_pbar
+        guidance = _guidance_text(model.model_options)
+        self.sampler = f"{sampler_name}/cfg={cfg:g}" + (f"/{guidance}" if guidance else "")
+        self.model_fingerprint = model_fingerprint(model, self.backbone)
+        self.evaluations = 0          # model evaluations (sampler calls into the guider), all runs
+
+    @staticmethod
+    def schedule(model, sampler_name: str, scheduler: str, steps: int) -> torch.Tensor:
+        """The sigmas ComfyUI's KSampler would use for this sampler, scheduler and step count."""
+        import comfy.samplers
+        if scheduler not in comfy.samplers.KSampler.SCHEDULERS:
+            raise ValueError(f"unknown scheduler {scheduler!r}: choose one of "
+                             f"{', '.join(comfy.samplers.KSampler.SCHEDULERS)}")
+        steps = int(steps)
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        discard = sampler_name in comfy.samplers.KSampler.DISCARD_PENULTIMATE_SIGMA_SAMPLERS
+        sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), scheduler,
+                                                 steps + (1 if discard else 0))
+        if discard:
+            sigmas = torch.cat([sigmas[:-2], sigmas[-1:]])
+        return sigmas
+
+    # ---- latent spaces ----
+
+    def to_latent_format(self, x: torch.Tensor) -> torch.Tensor:
+        """Model space -> the LATENT a VAE decodes."""
+        return self.model.model.process_latent_out(x.to(torch.float32))
+
+    def from_latent_format(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.model.model.process_latent_in(latent.to(torch.float32))
+
+    # ---- Runner contract ----
+
+    def with_step_callback(self, step_callback: Optional[StepCallback]) -> "ComfyRunner":
+        clone = object.__new__(ComfyRunner)
+        clone.__dict__.update(self.__dict__)
+        clone.step_callback = step_callback
+        return clone
+
+    def _patched_clone(self, run: _Run):
+        from comfy.patcher_extension import WrappersMP
+        model = self.model.clone()
+        replaced = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+        for index in range(self.backbone.num_blocks):
+            inner = replaced.get(("double_block", index))
+            model.set_model_patch_replace(_block_patch(run, index, inner), "dit", "double_block", index)
+        options = model.model_options.setdefault("transformer_options", {})
+        options["optimized_attention_override"] = _attention_override(
+            run, options.get("optimized_attention_override"))
+        model.add_wrapper_with_key(WrappersMP.PREDICT_NOISE, HOOK_KEY, _predict_noise_wrapper(run))
+        return model
+
+    def run(self, x: torch.Tensor, sigmas: torch.Tensor, start: int, end: int, observer) -> torch.Tensor:
+        """Steps [start, end) from the model-space latent entering `start`; returns the one entering `end`."""
+        import comfy.sample
+        import comfy.samplers
+        steps = len(sigmas) - 1
+        if not 0 <= start <= end <= steps:
+            raise ValueError(f"steps [{start}, {end}) are outside the schedule's {steps} steps")
+        if start == end:
+            return x
+        sub = torch.as_tensor(sigmas, dtype=torch.float32).flatten()[start:end + 1].cpu()
+        run = _Run(observer, self.layout, torch.as_tensor(sigmas).flatten(), start, end, steps, self.step_callback)
+        model = self._patched_clone(run)
+        x = x.detach().to("cpu", torch.float32)
+        sigma0 = float(sub[0])
+        if sigma0 >= 1.0 or math.isclose(sigma0, 1.0, rel_tol=1e-6):
+            noise, latent = x / sigma0, torch.zeros_like(x)
+        elif sigma0 <= 0.0:
+            raise ValueError("cannot run steps from sigma 0: the trajectory has already ended")
+        else:
+            noise, latent = torch.zeros_like(x), self.to_latent_format(x / (1.0 - sigma0)).cpu()
+        sampler = comfy.samplers.sampler_object(self.sampler_name)
+        out = comfy.sample.sample_custom(model, noise, self.cfg, sampler, sub, self.positive, self.negative, latent,
+                                         callback=run.callback, disable_pbar=self.disable_pbar, seed=self.seed)
+        x_end = self.from_latent_format(out.to("cpu")) * (1.0 - float(sub[-1]))
+        run.finish(x_end)
+        self.evaluations += run.evaluations
+        return x_end
+
+    def preview(self, latent: torch.Tensor) -> torch.Tensor:
+        """Middle frame of a model-space latent as RGB [3, H, W] in [-1, 1] (the host's latent->RGB factors)."""
+        frame = latent[0, :, latent.shape[2] // 2].detach().to("cpu", torch.float32)
+        latent_format = self.model.model.latent_format
+        factors = getattr(latent_format, "latent_rgb_factors", None)
+        if factors is not None:
+            weights = torch.tensor(factors, dtype=torch.float32)
+            if weights.shape == (frame.shape[0], 3):
+                rgb = torch.einsum("chw,cr->rhw", frame, weights)
+                bias = getattr(latent_format, "latent_rgb_factors_bias", None)
+                if bias is not None:
+                    rgb = rgb + torch.tensor(bias, dtype=torch.float32)[:, None, None]
+                return rgb.clamp(-1, 1)
+        rgb = frame[:3] if frame.shape[0] >= 3 else frame[:1].expand(3, -1, -1)
+        return (rgb / rgb.abs().amax().clamp_min(1e-6)).clamp(-1, 1)
+
+
+__all__ = ["ComfyRunner", "UnsupportedModelError", "HostBackbone", "backbone_for", "model_fingerprint",
+           "host_version", "HOOK_KEY", "SUPPORTED_TEXT"]

@@ -1,0 +1,164 @@
+"""Input checks and small helpers shared by the Carnator nodes (no ComfyUI import at module level).
+
+Every check raises ValueError naming the node, the bad input and what to do, before anything runs or is
+written to the cache.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from carnator_engine.gate import RISK_LEVELS
+from carnator_engine.pipeline import CarnatorConfig
+
+log = logging.getLogger("carnator.nodes")
+
+DECISION_EVENT = "carnator.decision"
+
+
+def fail(node: str, input_name: str, message: str) -> ValueError:
+    return ValueError(f"{node}: input '{input_name}': {message}")
+
+
+@dataclass
+class PreparedLatent:
+    samples: torch.Tensor     # latent format, [B, C, F, H, W]
+    extra: dict               # other keys of the LATENT dict that travel with it (batch_index)
+
+
+def check_model(node: str, model):
+    """The backbone behind `model`, or a clear error for a model Carnator cannot hook."""
+    from carnator_engine.hosts.comfyui import UnsupportedModelError, backbone_for
+    try:
+        return backbone_for(model)
+    except UnsupportedModelError as error:
+        raise fail(node, "model", str(error)) from None
+
+
+def check_latent(node: str, model, latent_image, backbone) -> PreparedLatent:
+    import comfy.sample
+    if not isinstance(latent_image, dict) or not torch.is_tensor(latent_image.get("samples")):
+        raise fail(node, "latent_image", "is not a LATENT (a dict with 'samples'): connect an empty video latent node")
+    if latent_image.get("noise_mask") is not None:
+        raise fail(node, "latent_image", "carries a noise mask (inpainting or masked image-to-video): Carnator "
+                                         "samples whole clips; use a KSampler for masked sampling")
+    samples = latent_image["samples"]
+    layout = backbone.layout
+    channels = layout.latent_channels
+    if samples.dim() != 5:
+        kind = "an image latent [batch, channels, height, width]" if samples.dim() == 4 else f"{samples.dim()}-D"
+        raise fail(node, "latent_image",
+                   f"has shape {list(samples.shape)}, {kind}; {backbone.model_class} ({layout.name}) needs a video "
+                   f"latent [batch, {channels}, frames, height, width]: use EmptyHunyuanLatentVideo (Wan 2.1) or "
+                   "the model's own empty video latent node")
+    samples = comfy.sample.fix_empty_latent_channels(model, samples)  # an empty latent is resized, as KSampler does
+    if samples.shape[1] != channels:
+        raise fail(node, "latent_image",
+                   f"has {samples.shape[1]} channels but {backbone.model_class} ({layout.name}) works with "
+                   f"{channels}: is this latent from another model's VAE?")
+    if min(samples.shape) < 1:
+        raise fail(node, "latent_image", f"is empty (shape {list(samples.shape)})")
+    extra = {k: v for k, v in latent_image.items() if k == "batch_index"}
+    return PreparedLatent(samples.to(torch.float32), extra)
+
+
+def check_steps(node: str, steps: int, probe_steps: int) -> None:
+    if int(steps) < 2:
+        raise fail(node, "steps", f"steps={steps}: Carnator needs at least 2 steps (a probe and a remainder)")
+    if not 1 <= int(probe_steps) < int(steps):
+        raise fail(node, "probe_steps", f"probe_steps={probe_steps} must be between 1 and steps-1 ({int(steps) - 1}): "
+                                        "the probe runs the first steps of the request; lower probe_steps or raise steps")
+
+
+def check_risk(node: str, risk: str) -> str:
+    if risk not in RISK_LEVELS:
+        raise fail(node, "risk", f"unknown risk level {risk!r}: choose one of {', '.join(RISK_LEVELS)}")
+    return risk
+
+
+def make_config(node: str, steps: int, probe_steps: int, risk: str = "balanced", block_size: int = 64,
+                sparse_attention: bool = True, gate_overrides: Optional[dict] = None) -> CarnatorConfig:
+    check_steps(node, steps, probe_steps)
+    check_risk(node, risk)
+    if int(block_size) < 1:
+        raise fail(node, "block_size", f"block_size={block_size} must be >= 1 (64 on CPU, 128 on GPUs)")
+    config = CarnatorConfig(probe_steps=int(probe_steps), risk=risk, block_size=int(block_size),
+                            sparse_attention=bool(sparse_attention), gate_overrides=dict(gate_overrides or {}))
+    try:
+        config.validate(int(steps))
+    except ValueError as error:
+        raise ValueError(f"{node}: {error}") from None
+    return config
+
+
+def check_number(node: str, name: str, value) -> float:
+    value = float(value)
+    if not math.isfinite(value):
+        raise fail(node, name, f"{name}={value} is not a finite number")
+    return value
+
+
+def prompt_text(prompt, unique_id, input_name: str = "positive", depth: int = 8) -> str:
+    """Best effort: the text of the CLIPTextEncode feeding `input_name` (the cache browser's label)."""
+    try:
+        link = prompt[str(unique_id)]["inputs"].get(input_name)
+        for _ in range(depth):
+            if not (isinstance(link, list) and len(link) == 2):
+                return ""
+            inputs = prompt[str(link[0])].get("inputs", {})
+            text = inputs.get("text")
+            if isinstance(text, str):
+                return text
+            link = next((v for k, v in inputs.items()
+                         if "cond" in k.lower() and isinstance(v, list) and len(v) == 2), None)
+    except (KeyError, TypeError, AttributeError):
+        pass
+    return ""
+
+
+def progress_callback(model, steps: int):
+    """ComfyUI's progress bar (with latent previews when enabled) over all `steps` of the request."""
+    try:
+        import latent_preview  # ComfyUI's root module: previews + comfy.utils.ProgressBar
+        return latent_preview.prepare_callback(model, steps)
+    except ImportError:
+        import comfy.utils
+        bar = comfy.utils.ProgressBar(steps)
+        return lambda step, x0, x, total: bar.update_absolute(step + 1, total)
+
+
+def to_json(summary: dict) -> str:
+    return json.dumps(summary, default=str, sort_keys=True)
+
+
+def summary_text(summary: dict) -> str:
+    steps, k = summary.get("steps"), summary.get("resume_step")
+    calls = summary.get("model_calls")
+    risk = summary.get("risk")
+    stored = f"; stored as {summary['stored_as']}" if summary.get("stored_as") else ""
+    if summary.get("reuse"):
+        return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}; "
+                f"{calls} model steps of {steps}, expected {summary.get('expected_speedup')}x{stored}")
+    reasons = summary.get("reasons") or ["no decision"]
+    over = [r for r in reasons if " over limit " in r or r.startswith("no ")]
+    why = "; ".join([reasons[0]] + over[:2]) if over and over[0] != reasons[0] else reasons[0]
+    return f"Carnator MISS ({risk}): {why}; {calls} model steps of {steps}{stored}"
+
+
+def send_decision(unique_id, summary: dict) -> None:
+    """Pushes the decision to the frontend; silent when no ComfyUI server runs (scripts, tests)."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None:
+        return
+    try:
+        instance.send_sync(DECISION_EVENT, {"node": None if unique_id is None else str(unique_id),
+                                            **json.loads(to_json(summary))})
+    except Exception as error:  # the UI message is a courtesy: never fail a generation over it
+        log.warning("carnator: could not send the decision to the UI: %s", error)

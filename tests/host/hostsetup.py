@@ -1,0 +1,132 @@
+"""The real ComfyUI host for Carnator's host tests: import it on the CPU, build a tiny Wan 2.1 model with
+ComfyUI's own WanModel class, and load this repository the way ComfyUI loads a custom node.
+
+Used by conftest.py and by restart_request.py (a second process on the same cache). Only host tests
+import this module, so host-free tests never import comfy.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_COMFYUI = "/opt/ComfyUI"
+PLUGIN_DIR_NAME = "comfyui-carnator"
+TINY_WAN = "carnator_test_tiny_wan21_t2v.safetensors"
+
+_host: dict = {}
+
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))   # carnator_engine, as the plugin's root __init__ makes it importable
+
+
+def comfyui_path() -> str:
+    return os.path.abspath(os.environ.get("COMFYUI_PATH", DEFAULT_COMFYUI))
+
+
+def host_present(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "comfy", "model_patcher.py")) and \
+        os.path.isfile(os.path.join(path, "nodes.py"))
+
+
+def _is_host_nodes(module, path: str) -> bool:
+    return os.path.abspath(getattr(module, "__file__", "") or "") == os.path.join(path, "nodes.py")
+
+
+@contextlib.contextmanager
+def host_nodes_module(path: str):
+    """While active, `import nodes` is ComfyUI's nodes.py, even if this repo's `nodes` package was imported
+    as a top-level package by a host-free test of the same session; the previous modules come back after."""
+    stashed = {name: module for name, module in sys.modules.items()
+               if (name == "nodes" or name.startswith("nodes.")) and not _is_host_nodes(module, path)}
+    for name in stashed:
+        del sys.modules[name]
+    if "nodes" in _host:
+        sys.modules["nodes"] = _host["nodes"]
+    try:
+        yield
+    finally:
+        if stashed:
+            for name in [n for n in sys.modules if n == "nodes" or n.startswith("nodes.")]:
+                del sys.modules[name]
+            sys.modules.update(stashed)
+
+
+def import_host(path: str):
+    """Imports ComfyUI from `path`, forced onto the CPU, with its extra nodes; returns its `nodes` module."""
+    if "nodes" in _host:
+        return _host["nodes"]
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    argv = sys.argv
+    sys.argv = [argv[0] if argv else "carnator-tests", "--cpu"]
+    try:
+        import comfy.options
+        comfy.options.enable_args_parsing()
+        import comfy.cli_args  # noqa: F401  (parses --cpu here, not pytest's arguments)
+    finally:
+        sys.argv = argv
+    import torch
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    import utils.extra_config  # noqa: F401  (as main.py does, before comfy puts comfy/ on sys.path)
+    with host_nodes_module(path):
+        import nodes
+        _host["nodes"] = nodes
+        asyncio.run(nodes.init_builtin_extra_nodes())
+    return nodes
+
+
+def build_tiny_wan(directory: str, seed: int = 0) -> str:
+    """A 2-block, dim-256 Wan 2.1 T2V model with random weights, saved where UNETLoader finds it."""
+    import safetensors.torch
+    import torch
+    import comfy.ops
+    import folder_paths
+    from comfy.ldm.wan.model import WanModel
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, TINY_WAN)
+    if not os.path.exists(path):
+        generator = torch.Generator().manual_seed(seed)
+        model = WanModel(model_type="t2v", patch_size=(1, 2, 2), in_dim=16, dim=256, ffn_dim=512, freq_dim=256,
+                         text_dim=4096, out_dim=16, num_heads=2, num_layers=2, operations=comfy.ops.disable_weight_init)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
+                    parameter.fill_(1.0)
+                elif name.endswith("norm3.bias"):
+                    parameter.zero_()
+                else:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    folder_paths.add_model_folder_path("diffusion_models", directory)
+    return TINY_WAN
+
+
+def load_plugin(nodes, custom_nodes_dir: str):
+    """Loads this repository with ComfyUI's own custom-node loader, from a folder named like an install."""
+    os.makedirs(custom_nodes_dir, exist_ok=True)
+    link = os.path.join(custom_nodes_dir, PLUGIN_DIR_NAME)
+    if not os.path.exists(link):
+        os.symlink(REPO, link, target_is_directory=True)
+    if not asyncio.run(nodes.load_custom_node(link, ignore=set(), module_parent="custom_nodes")):
+        raise RuntimeError(f"ComfyUI's loader refused the plugin at {link}: see the log above")
+    return sys.modules[link.replace(".", "_x_")], link
+
+
+def conditioning(seed: int, scale: float = 1.0):
+    """CONDITIONING as Wan's umT5 text encoder shapes it: [[tensor [1, 512, 4096], {}]]."""
+    import torch
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randn(1, 512, 4096, generator=generator) * scale, {}]]
+
+
+def empty_video_latent(nodes, width: int = 128, height: int = 128, length: int = 17) -> dict:
+    """EmptyHunyuanLatentVideo, the core node Wan 2.1 workflows use: [1, 16, (length-1)//4+1, h/8, w/8]."""
+    node = nodes.NODE_CLASS_MAPPINGS["EmptyHunyuanLatentVideo"]
+    if hasattr(node, "generate"):
+        return node().generate(width, height, length, 1)[0]
+    import torch  # a later ComfyUI where the node moved to the V3 API
+    return {"samples": torch.zeros(1, 16, (length - 1) // 4 + 1, height // 8, width // 8)}

@@ -1,0 +1,324 @@
+"""Carnator inside the real ComfyUI host: the runner's hooks, the reuse pipeline through the node classes,
+a restart, LoRA-style patches, composition with other patches, and input errors.
+
+A tiny random Wan 2.1 T2V model (ComfyUI's own WanModel, loaded by the UNETLoader node) on the CPU.
+Model calls are counted by a DIFFUSION_MODEL wrapper: real forwards, not the engine's own count.
+The engine's default gate thresholds are used throughout (no overrides needed on this model).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import hostsetup
+
+STEPS, PROBE, CFG, SEED = 10, 2, 5.0, 42
+HERE = Path(__file__).resolve().parent
+
+
+def node(comfy, name):
+    return comfy.NODE_CLASS_MAPPINGS[name]()
+
+
+def open_cache(comfy, directory, size_gb=1.0):
+    return node(comfy, "CarnatorCache").open(str(directory), size_gb)[0]
+
+
+def sample(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
+           risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7"):
+    out = node(comfy, "CarnatorSampler").sample(model, cache, positive, negative, latent, seed, steps, cfg,
+                                                  sampler_name, "simple", probe_steps, risk, sparse_attention,
+                                                  unique_id=unique_id, prompt=None)
+    latent_out, summary_json = out["result"]
+    summary = json.loads(summary_json)
+    assert out["ui"]["text"][0].startswith("Carnator HIT" if summary["reuse"] else "Carnator MISS")
+    return latent_out, summary
+
+
+def store_state(store):
+    return sorted((r.entry_id, r.hits, r.sig_sha256, r.blob_sha256) for r in store.records(include_corrupt=True))
+
+
+@pytest.fixture
+def conds():
+    return hostsetup.conditioning(1), hostsetup.conditioning(2)
+
+
+@pytest.fixture
+def latent(comfy):
+    return hostsetup.empty_video_latent(comfy)          # [1, 16, 5, 16, 16]: 320 tokens
+
+
+# ---- the runner against the host's own sampling ------------------------------------------------
+
+class RecordingObserver:
+    """Wraps a GenerationObserver and counts what the hooks report."""
+
+    def __init__(self):
+        from carnator_engine.observer import GenerationObserver
+        self.inner = GenerationObserver()
+        self.steps, self.blocks, self.attention, self.ends = [], set(), 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def begin_step(self, step, x):
+        self.steps.append(step)
+        self.inner.begin_step(step, x)
+
+    def block_output(self, index, hidden):
+        self.blocks.add((self.inner.step, index, tuple(hidden.shape)))
+
+    def self_attention(self, index, q, k, v, dense):
+        self.attention += 1
+        assert q.dim() == 4 and q.shape[2] == 320          # [B, heads, L, D], L = 5*8*8 video tokens
+        return dense(q, k, v)
+
+    def step_end(self, step, x_next, denoised):
+        self.ends.append(step)
+        self.inner.step_end(step, x_next, denoised)
+
+
+def test_runner_reproduces_host_sampling_and_reports_every_step(comfy, plugin, tiny_model, conds, latent):
+    import comfy.sample
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    positive, negative = conds
+    samples = latent["samples"]
+    noise = comfy.sample.prepare_noise(samples, SEED)
+    reference = comfy.sample.sample(tiny_model, noise, STEPS, CFG, "euler", "simple", positive, negative, samples,
+                                    disable_pbar=True, seed=SEED)
+    runner = ComfyRunner(tiny_model, positive, negative, CFG, "euler", "simple", steps=STEPS, seed=SEED)
+    observer = RecordingObserver()
+    full = runner.run(noise * float(runner.sigmas[0]), runner.sigmas, 0, STEPS, observer)
+    assert torch.allclose(runner.to_latent_format(full), reference, atol=1e-4)
+    assert observer.steps == list(range(STEPS)) and observer.ends == list(range(STEPS))
+    assert {(s, i) for s, i, _ in observer.blocks} == {(s, i) for s in range(STEPS) for i in range(2)}
+    assert {shape for _, _, shape in observer.blocks} == {(2, 320, 256)}   # cond + uncond batched
+    assert observer.attention == STEPS * 2                                  # self-attention only, per block
+
+    first = runner.run(noise, runner.sigmas, 0, PROBE, RecordingObserver())
+    rest = runner.run(first, runner.sigmas, PROBE, STEPS, RecordingObserver())
+    assert torch.allclose(runner.to_latent_format(rest), reference, atol=1e-3)
+    assert "block_index" not in tiny_model.model_options["transformer_options"]
+    assert "optimized_attention_override" not in tiny_model.model_options["transformer_options"]
+
+
+# ---- the reuse pipeline through the nodes ------------------------------------------------------
+
+def test_sampler_node_miss_then_hit_with_fewer_model_calls(comfy, plugin, counted, conds, latent, tmp_path):
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    first, miss = sample(comfy, counted.model, cache, positive, negative, latent)
+    miss_calls = counted.take()
+    assert not miss["reuse"] and miss["stored_as"] and miss["model_calls"] == STEPS
+    assert [r.entry_id for r in cache.records()] == [miss["stored_as"]]
+    assert first["samples"].shape == latent["samples"].shape
+
+    second, hit = sample(comfy, counted.model, cache, positive, negative, latent)
+    hit_calls = counted.take()
+    assert hit["reuse"] and hit["entry_id"] == miss["stored_as"]
+    assert hit["resume_step"] > PROBE
+    assert hit_calls < miss_calls
+    assert hit_calls == PROBE + STEPS - hit["resume_step"] == hit["model_calls"]
+    assert cache.record(miss["stored_as"]).hits == 1
+    relative = (second["samples"] - first["samples"]).norm() / first["samples"].norm()
+    assert relative < 0.05, f"a hit on the identical request drifted by {relative:.3f}"
+    print(f"\nmiss: {miss_calls} forward calls; hit: {hit_calls} (resume at step {hit['resume_step']} of {STEPS}); "
+          f"relative difference of the hit's latent {relative:.2e}")
+
+
+def test_restart_of_the_process_still_hits(comfy, plugin, counted, conds, latent, tmp_path, host_dirs, model_name):
+    positive, negative = conds
+    cache_dir = tmp_path / "cache"
+    _, miss = sample(comfy, counted.model, open_cache(comfy, cache_dir), positive, negative, latent)
+    assert not miss["reuse"]
+    torch.save({"positive": positive[0][0], "negative": negative[0][0], "samples": latent["samples"]},
+               tmp_path / "request.pt")
+    env = dict(os.environ, COMFYUI_PATH=hostsetup.comfyui_path())
+    completed = subprocess.run(
+        [sys.executable, str(HERE / "restart_request.py"), host_dirs["models"], str(cache_dir),
+         str(tmp_path / "request.pt"), str(tmp_path / "custom_nodes"), json.dumps(
+             {"seed": SEED, "steps": STEPS, "cfg": CFG, "probe_steps": PROBE})],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["summary"]["reuse"] and report["summary"]["entry_id"] == miss["stored_as"]
+    assert report["summary"]["resume_step"] > PROBE
+    assert report["calls"] == PROBE + STEPS - report["summary"]["resume_step"] < STEPS
+
+
+def test_very_different_conditioning_is_rejected(comfy, plugin, counted, conds, latent, tmp_path):
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    _, miss = sample(comfy, counted.model, cache, positive, negative, latent)
+    counted.take()
+    other = hostsetup.conditioning(99)
+    _, summary = sample(comfy, counted.model, cache, other, negative, latent)
+    assert not summary["reuse"] and counted.take() == STEPS
+    assert summary["reasons"][0] == f"nearest entry {miss['stored_as']} rejected"
+    assert any(" over limit " in reason for reason in summary["reasons"])
+    print("\nrejected:", summary["numbers"])
+
+
+def test_model_patch_changes_the_bucket(comfy, plugin, tiny_model, counted, conds, latent, tmp_path):
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    _, miss = sample(comfy, counted.model, cache, positive, negative, latent)
+
+    key = "diffusion_model.blocks.0.self_attn.q.weight"
+    weight = tiny_model.model.state_dict()[key]
+    delta = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)) * 0.01
+    patched = counted.model.clone()
+    assert patched.add_patches({key: ("diff", (delta,))}, 1.0) == [key]
+    _, summary = sample(comfy, patched, cache, positive, negative, latent)
+    assert not summary["reuse"]
+    assert summary["reasons"] == ["no earlier generation of this model, shape and schedule is in the cache"]
+
+    half = counted.model.clone()
+    half.add_patches({key: ("diff", (delta,))}, 0.5)
+    fingerprints = {ComfyRunner(m, positive, negative, CFG, "euler", "simple", steps=STEPS).model_fingerprint
+                    for m in (counted.model, patched, half)}
+    assert len(fingerprints) == 3                          # the strength is part of the key too
+
+    _, again = sample(comfy, counted.model, cache, positive, negative, latent)   # the patched weights were in
+    assert again["reuse"] and again["entry_id"] == miss["stored_as"]           # place: the base still matches
+
+
+def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, conds, latent, tmp_path, monkeypatch):
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    events = []
+    fake_server = types.ModuleType("server")
+    fake_server.PromptServer = types.SimpleNamespace(
+        instance=types.SimpleNamespace(send_sync=lambda event, data, sid=None: events.append((event, data))))
+    monkeypatch.setitem(sys.modules, "server", fake_server)
+
+    def run_stages(risk="balanced", **thresholds):
+        probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED, STEPS, CFG,
+                                                        "euler", "simple", PROBE, 64, unique_id="3", prompt=None)[0]
+        matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
+        gate = node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, risk, unique_id="4", **thresholds)
+        decision, decision_json = gate["result"]
+        resumed = node(comfy, "CarnatorTrajectoryResume").resume(cache, probe, decision, True, unique_id="5")
+        return probe, matches, json.loads(decision_json), resumed["result"]
+
+    _, _, first_decision, (latent_out, summary_json) = run_stages()
+    assert not first_decision["reuse"] and json.loads(summary_json)["stored_as"]
+    assert latent_out["samples"].shape == latent["samples"].shape
+    counted.take()
+    probe, matches, decision, (_, summary_json) = run_stages("safe", max_hidden=0.5, min_saved_steps=2)
+    assert decision["reuse"] and decision["resume_step"] > PROBE
+    assert counted.take() == PROBE + STEPS - decision["resume_step"]
+    assert json.loads(summary_json)["entry_id"] == decision["entry_id"]
+    gate_events = [data for event, data in events if event == "carnator.decision" and data["node"] == "4"]
+    assert [e["reuse"] for e in gate_events] == [False, True]
+    assert {"resume_step", "risk", "expected_speedup", "reasons"} <= set(gate_events[-1])
+
+    other_probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED + 1, STEPS,
+                                                          CFG, "euler", "simple", PROBE, 64)[0]
+    with pytest.raises(ValueError, match="input 'matches': comes from another probe"):
+        node(comfy, "CarnatorCompatibilityGate").decide(other_probe, matches, "balanced")
+
+
+def test_composes_with_existing_attention_override_and_block_patch(comfy, plugin, tiny_model, conds, latent,
+                                                                    tmp_path):
+    positive, negative = conds
+    seen = {"attention": 0, "block": 0}
+
+    def other_override(func, *args, **kwargs):     # what a SageAttention-style node installs
+        seen["attention"] += 1
+        return func(*args, **kwargs)
+
+    def other_block(args, extra):                  # another node's block replacement
+        seen["block"] += 1
+        return extra["original_block"](args)
+
+    model = tiny_model.clone()
+    model.model_options["transformer_options"]["optimized_attention_override"] = other_override
+    model.set_model_patch_replace(other_block, "dit", "double_block", 0)
+    plain, _ = sample(comfy, tiny_model, open_cache(comfy, tmp_path / "a"), positive, negative, latent)
+    layered, summary = sample(comfy, model, open_cache(comfy, tmp_path / "b"), positive, negative, latent)
+    assert seen["block"] == STEPS and seen["attention"] == STEPS * 4       # self + cross, 2 blocks
+    assert torch.allclose(plain["samples"], layered["samples"], atol=1e-5)
+    assert model.model_options["transformer_options"]["optimized_attention_override"] is other_override
+
+
+# ---- bad inputs --------------------------------------------------------------------------------
+
+def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin, counted, conds, latent, tmp_path):
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    sample(comfy, counted.model, cache, positive, negative, latent)
+    before = store_state(cache)
+    samples = latent["samples"]
+
+    def bad_sample(message, model=None, latent_image=None, **kwargs):
+        with pytest.raises(ValueError, match=message):
+            sample(comfy, model or counted.model, cache, positive, negative, latent_image or latent, **kwargs)
+
+    bad_sample(r"input 'latent_image': has shape \[1, 4, 16, 16\], an image latent",
+               latent_image={"samples": torch.zeros(1, 4, 16, 16)})
+    bad_sample(r"input 'latent_image': has 48 channels but WAN21 \(wan2.1\) works with 16",
+               latent_image={"samples": torch.ones(1, 48, 5, 16, 16)})
+    bad_sample(r"input 'latent_image': carries a noise mask",
+               latent_image={"samples": samples, "noise_mask": torch.ones(1, 1, 16, 16)})
+    bad_sample(r"input 'probe_steps': probe_steps=10 must be between 1 and steps-1 \(9\)", probe_steps=10)
+    bad_sample(r"input 'sampler_name': unknown sampler_name 'euler_typo'", sampler_name="euler_typo")
+    bad_sample(r"input 'cfg': cfg=nan is not a finite number", cfg=float("nan"))
+    bad_sample(r"input 'risk': unknown risk level 'reckless'", risk="reckless")
+
+    hunyuan = types.SimpleNamespace(model=type("HunyuanVideo", (), {"diffusion_model": None})())
+    bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideo .*joint", model=hunyuan)
+
+    probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED, STEPS, CFG,
+                                                    "euler", "simple", PROBE, 64)[0]
+    matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
+    with pytest.raises(ValueError, match=r"gate setting max_attention=5.0 is outside \(0, 1\]"):
+        node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, "balanced", max_attention=5.0)
+    with pytest.raises(ValueError, match=r"input 'max_hidden': max_hidden=-1.0 must be >= 0"):
+        node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, "balanced", max_hidden=-1.0)
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match=r"Carnator Cache: input 'cache_dir': .*not writable.*choose another"):
+        open_cache(comfy, blocker / "cache")
+    with pytest.raises(ValueError, match=r"input 'size_limit_gb': size_limit_gb=0.0001 is below the minimum"):
+        open_cache(comfy, tmp_path / "cache", size_gb=0.0001)
+    assert store_state(cache) == before
+
+
+def test_unsupported_model_error_names_the_class():
+    from carnator_engine.hosts.comfyui import UnsupportedModelError, backbone_for
+    flux = types.SimpleNamespace(model=type("Flux", (), {"diffusion_model": object()})())
+    with pytest.raises(UnsupportedModelError, match=r"unsupported model Flux \(diffusion model object\)\. "
+                                                    r"Carnator supports Wan 2.1"):
+        backbone_for(flux)
+
+
+# ---- the plugin as ComfyUI loads it ------------------------------------------------------------
+
+def test_plugin_loads_through_comfyui_custom_node_loader(comfy, plugin):
+    module, install = plugin
+    ids = ["CarnatorCache", "CarnatorEarlyProbe", "CarnatorSignatureCacheLookup", "CarnatorCompatibilityGate",
+           "CarnatorTrajectoryResume", "CarnatorSampler"]
+    for name in ids:
+        cls = comfy.NODE_CLASS_MAPPINGS[name]
+        assert cls is module.NODE_CLASS_MAPPINGS[name]
+        assert cls.CATEGORY == "Carnator" and comfy.NODE_DISPLAY_NAME_MAPPINGS[name].startswith("Carnator ")
+        assert cls.RELATIVE_PYTHON_MODULE == f"custom_nodes.{hostsetup.PLUGIN_DIR_NAME}"
+        info = cls.INPUT_TYPES()
+        assert set(info) <= {"required", "optional", "hidden"}
+    samplers = comfy.NODE_CLASS_MAPPINGS["CarnatorSampler"].INPUT_TYPES()["required"]["sampler_name"][0]
+    assert samplers == comfy.NODE_CLASS_MAPPINGS["KSampler"].INPUT_TYPES()["required"]["sampler_name"][0]
+    assert module.WEB_DIRECTORY == "./web"
+    assert os.path.realpath(comfy.EXTENSION_WEB_DIRS[hostsetup.PLUGIN_DIR_NAME]) == str(hostsetup.REPO / "web")
+    import carnator_engine
+    assert Path(carnator_engine.__file__).resolve().parent == hostsetup.REPO / "carnator_engine"
