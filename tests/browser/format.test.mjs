@@ -35,6 +35,8 @@ test("entry lines and model label", () => {
     "bucket 01234567 · 30 steps · 3×8×8 · 2.00 KiB",
     "1 hit · 12 steps saved · 2 min ago",
   ]);
+  const resumed = { ...entry, reused_from: "fedcba9876543210", decision: { reuse: true, resume_step: 5 } };
+  assert.equal(entryLines(resumed, 1_000_000 * 1000)[2], "resumed from entry fedcba98 at step 5");
 });
 
 test("stats", () => {

@@ -123,8 +123,8 @@ export class CacheBrowser {
 
   async clearAll() {
     const count = this.stats ? this.stats.entries : this.entries.length;
-    const message = `Delete all ${count} cached ${count === 1 ? "generation" : "generations"} of this store? ` +
-      "Later runs will start from scratch until the cache fills again.";
+    const what = count === 1 ? "the only cached generation" : `all ${count} cached generations`;
+    const message = `Delete ${what} of this store? Later runs start from scratch until the cache fills again.`;
     if (!(await this.confirm("Clear the Carnator cache", message))) return;
     try {
       const done = await readJson(await this.api.fetchApi(`/carnator/clear${this.query()}`, {
@@ -241,7 +241,7 @@ export class CacheBrowser {
       dataset: { carnator: "thumbnail" },
     });
     thumb.addEventListener("error", () => { thumb.style.visibility = "hidden"; }, { once: true });
-    const [first, second] = entryLines(entry);
+    const [first, second, origin] = entryLines(entry);
     const prompt = element("div", { className: "carnator-prompt", textContent: entry.prompt || "(no prompt)",
       title: entry.prompt || "", dataset: { carnator: "prompt" } });
     const remove = element("button", { className: "carnator-danger", title: "Delete this entry",
@@ -252,6 +252,7 @@ export class CacheBrowser {
       element("div", { className: "carnator-meta", textContent: first, title: `bucket ${entry.bucket}` }),
       element("div", { className: "carnator-meta", textContent: second,
         title: `created ${formatDate(entry.created)}, last used ${formatDate(entry.last_used)}, seed ${entry.seed}` }),
+      origin ? element("div", { className: "carnator-meta", textContent: origin, title: `entry ${entry.reused_from}` }) : null,
       entry.corrupt ? element("div", { className: "carnator-problem", textContent: `corrupt: ${entry.corrupt}` }) : null,
     ]);
     return element("div", {

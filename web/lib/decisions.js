@@ -5,6 +5,8 @@
 import { decisionBadge, decisionLines, isCarnatorNodeType, nodeIdPath } from "./format.js";
 
 const WIDGET_NAME = "carnator_decision";
+const LINE_HEIGHT = 15; // px, 11px text at line-height 1.35 (see .carnator-decision)
+const MAX_HEIGHT = 190;
 
 // Drawn like LiteGraph's LGraphBadge (the canvas calls getWidth, draw and reads height); a node's
 // `badges` may hold functions returning such an object, so the badge follows the node's decision.
@@ -98,6 +100,7 @@ export class DecisionDisplay {
     const lines = decisionLines(decision);
     const widget = this.widget(node);
     if (widget) {
+      widget.carnatorLines = lines.length;
       widget.element.textContent = lines.join("\n");
       widget.element.title = (decision.reasons || []).join("\n");
       widget.element.dataset.outcome = decision.error ? "error" : decision.reuse ? "hit" : "miss";
@@ -119,8 +122,9 @@ export class DecisionDisplay {
       hideOnZoom: false,
       getValue: () => element.textContent,
       setValue: () => {},
-      getMinHeight: () => 64,
-      getMaxHeight: () => 160,
+      // room for every line up to a point; longer reason lists scroll (and show whole on hover)
+      getMinHeight: () => Math.min(MAX_HEIGHT, 10 + LINE_HEIGHT * (widget.carnatorLines || 3)),
+      getMaxHeight: () => MAX_HEIGHT,
     });
     widget.serialize = false;
     return widget;

@@ -55,14 +55,20 @@ export function statsText(stats) {
   return parts.join(" · ");
 }
 
-/** One line under an entry's prompt. */
+/** The lines under an entry's prompt: model and size; hits and age; where a hit's trajectory came from. */
 export function entryLines(entry, nowMs = Date.now()) {
   const shape = Array.isArray(entry.latent_shape) && entry.latent_shape.length === 5
     ? ` · ${entry.latent_shape.slice(2).join("×")}` : "";
-  return [
+  const lines = [
     `${modelLabel(entry)} · ${entry.steps} steps${shape} · ${formatBytes(entry.size_bytes)}`,
     `${entry.hits} ${entry.hits === 1 ? "hit" : "hits"} · ${entry.steps_saved} steps saved · ${formatAge(entry.created, nowMs)}`,
   ];
+  if (entry.reused_from) {
+    const step = entry.decision && Number.isFinite(Number(entry.decision.resume_step))
+      ? ` at step ${entry.decision.resume_step}` : "";
+    lines.push(`resumed from entry ${String(entry.reused_from).slice(0, 8)}${step}`);
+  }
+  return lines;
 }
 
 /** The badge on a Carnator node: short, read at a glance. */

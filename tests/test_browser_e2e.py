@@ -1,0 +1,131 @@
+"""End to end in headless Chromium: a real ComfyUI (CPU) with the plugin; a workflow running a tiny Wan2.1
+model through the Carnator Sampler is queued twice from the web UI (same prompt and seed: a miss that
+stores an entry, then a hit on it), the decision shows on the node, then the Carnator sidebar tab lists
+the first entry (prompt, thumbnail, its hit), deletes it from the UI, then "Clear all" (cancelled once,
+confirmed once) empties the store.
+
+Needs the host (COMFYUI_PATH, default /opt/ComfyUI), Chromium (CARNATOR_CHROMIUM, default /usr/bin/chromium),
+node and playwright-core (cd tests/browser && npm install); skipped with the reason otherwise.
+CARNATOR_SCREENSHOTS=DIR copies the screenshots there (benchmarks/results/screenshots holds the committed ones).
+"""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import comfy_host
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BROWSER_DIR = os.path.join(HERE, "browser")
+CHROMIUM = os.environ.get("CARNATOR_CHROMIUM", "/usr/bin/chromium")
+NODE = shutil.which("node")
+FIXTURE_NODES = os.path.join(HERE, "host", "fixture_nodes", "carnator_e2e_fixture")
+PROMPT = "a red circle moving left on a black background"
+
+
+def _skip_reason():
+    reason = comfy_host.skip_reason()
+    if reason:
+        return reason
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CARNATOR_CHROMIUM)"
+    if NODE is None:
+        return "node is not installed"
+    if not os.path.isdir(os.path.join(BROWSER_DIR, "node_modules", "playwright-core")):
+        return "playwright-core is not installed (cd tests/browser && npm install)"
+    return None
+
+
+REASON = _skip_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def workflow(model_name: str) -> dict:
+    """API-format prompt: tiny Wan -> Carnator Sampler (10 steps, probe 2) -> SaveLatent. Node 6 decides.
+
+    10 steps leave a balanced-risk hit room to save >= 2 steps (resume at step 5); with 6 it never could."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": model_name, "weight_dtype": "default"}},
+        "2": {"class_type": "E2ETextConditioning", "inputs": {"text": PROMPT, "seed": 1}},
+        "3": {"class_type": "E2ETextConditioning", "inputs": {"text": "blurry, static", "seed": 2}},
+        "4": {"class_type": "EmptyHunyuanLatentVideo",
+              "inputs": {"width": 64, "height": 64, "length": 9, "batch_size": 1}},
+        "5": {"class_type": "CarnatorCache", "inputs": {"cache_dir": "", "size_limit_gb": 1.0}},
+        "6": {"class_type": "CarnatorSampler", "inputs": {
+            "model": ["1", 0], "cache": ["5", 0], "positive": ["2", 0], "negative": ["3", 0],
+            "latent_image": ["4", 0], "seed": 42, "steps": 10, "cfg": 5.0, "sampler_name": "euler",
+            "scheduler": "simple", "probe_steps": 2, "risk": "balanced", "sparse_attention": True}},
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": "carnator_e2e/latent"}},
+    }
+
+
+def seed_user_settings(base: str) -> None:
+    """A fresh ComfyUI user would first see the template browser, which covers the sidebar."""
+    folder = os.path.join(base, "user", "default")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "comfy.settings.json"), "w") as handle:
+        json.dump({"Comfy.TutorialCompleted": True}, handle)
+
+
+def test_cache_browser_and_decision_in_chromium(tmp_path):
+    from carnator_engine.store import CarnatorStore
+
+    base = comfy_host.make_base(str(tmp_path / "base"), extra_nodes=(FIXTURE_NODES,))
+    model_path = comfy_host.build_tiny_wan(base)
+    seed_user_settings(base)
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with comfy_host.ComfyServer(base) as server:
+        status, info = server.json("GET", "/api/object_info/CarnatorSampler")
+        assert status == 200 and "CarnatorSampler" in info, "the plugin's nodes did not load:\n" + server.log()[-3000:]
+        config = {
+            "url": server.url, "screenshots": str(shots), "userDataDir": str(tmp_path / "chromium-profile"),
+            "chromium": CHROMIUM, "expectPrompt": PROMPT, "workflow": workflow(os.path.basename(model_path)),
+            "queueCount": 2, "decisionNode": "6", "clearAll": True, "timeoutMs": 120000,
+            # a new cache size limit makes ComfyUI run the Carnator Sampler again; the request stays the same
+            "changeBeforeRepeat": {"node": "5", "widget": "size_limit_gb", "value": 1.5},
+        }
+        config_path = tmp_path / "e2e.json"
+        config_path.write_text(json.dumps(config))
+        run = subprocess.run([NODE, os.path.join(BROWSER_DIR, "e2e.mjs"), str(config_path)], cwd=BROWSER_DIR,
+                             capture_output=True, text=True, timeout=900)
+        server_log = server.log()
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"e2e.mjs printed no result (rc {run.returncode}):\n{run.stderr[-3000:]}\n{server_log[-3000:]}"
+    result = json.loads(lines[-1])
+    assert run.returncode == 0 and "error" not in result, \
+        f"{result.get('error')}\n{run.stderr[-3000:]}\nserver:\n{server_log[-3000:]}"
+
+    # first run: a miss, stored; the repeat (same prompt and seed) hits that entry; the node shows the last
+    first, second = result["decisions"]
+    assert first["node"] == "6" and first["reuse"] is False and first["steps"] == 10 and first["stored_as"]
+    assert second["reuse"] is True and second["entry_id"] == first["stored_as"], second["reasons"]
+    assert second["resume_step"] > second["probe_steps"] and second["model_calls"] < 10
+    assert result["decision"]["stored_as"] == second["stored_as"]
+    assert result["badge"] == f"HIT k={second['resume_step']}/10 · " + result["badge"].split(" · ")[1]
+    assert result["widgetText"].startswith(f"HIT: resume at step {second['resume_step']} of 10")
+
+    # the sidebar listed the first entry with its prompt, thumbnail and hit; its delete button removed it
+    assert result["entryId"] == first["stored_as"] and result["promptText"] == PROMPT
+    assert "1 hit · " in result["entryText"], result["entryText"]
+    assert result["thumbnail"]["width"] > 0 and result["thumbnail"]["height"] > 0
+    assert result["deleteStatus"] == 200 and result["remaining"] == 1
+    assert result["entryId"] not in result["listedAfter"] and len(result["listedAfter"]) == 1  # the server agrees
+    # "Clear all" asked first: cancelling kept the last entry, confirming removed it
+    assert result["cleared"]["keptAfterCancel"] == 1 and result["cleared"]["clearStatus"] == 200
+    assert result["cleared"]["left"] == 0 and result["cleared"]["stats"].startswith("0 entries")
+    store = CarnatorStore(comfy_host.default_store_dir(base), 1 << 30)
+    try:
+        assert store.records(include_corrupt=True) == []
+    finally:
+        store.close()
+    ours = [e for e in result["consoleErrors"] if "carnator" in e.lower()]
+    assert not ours, ours
+
+    target = os.environ.get("CARNATOR_SCREENSHOTS")
+    if target:
+        os.makedirs(target, exist_ok=True)
+        for path in result["screenshots"]:
+            shutil.copy(path, os.path.join(target, os.path.basename(path)))
