@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT, tokenize
+from ..backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT, load_tiny_dit, tokenize
 from ..schedule import flow_sigmas
 from . import world
 
@@ -116,6 +116,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-every", type=float, default=75.0, help="seconds between progress evals")
     parser.add_argument("--compile", choices=("on", "off"), default="off",
                         help="torch.compile the DiT (its compile time comes out of the budget)")
+    parser.add_argument("--init", help="start from these weights (a checkpoint of this script); its .json, "
+                                       "if beside it, is kept in the report as the earlier stage")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -131,8 +133,22 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    config = TinyDiTConfig(vocabulary=list(world.VOCABULARY), dim=args.dim, layers=args.layers, heads=args.heads)
-    model = TinyVideoDiT(config).to(device).train()
+    earlier_stage = None
+    if args.init:
+        model = load_tiny_dit(args.init, str(device)).train()
+        config = model.config
+        if config.vocabulary != list(world.VOCABULARY):
+            raise ValueError(f"{args.init} was trained on another vocabulary than this world's")
+        args.dim, args.layers, args.heads = config.dim, config.layers, config.heads
+        stage_json = os.path.splitext(args.init)[0] + ".json"
+        if os.path.exists(stage_json):
+            with open(stage_json) as handle:
+                earlier = json.load(handle)
+            earlier_stage = {k: earlier.get(k) for k in ("training", "command", "accuracy", "recommended_guidance")}
+        _log(f"initialised from {args.init}")
+    else:
+        config = TinyDiTConfig(vocabulary=list(world.VOCABULARY), dim=args.dim, layers=args.layers, heads=args.heads)
+        model = TinyVideoDiT(config).to(device).train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     parameters = sum(p.numel() for p in model.parameters())
     _log(f"device {device} ({torch.cuda.get_device_name(device) if cuda else 'cpu'}), torch {torch.__version__}, "
@@ -256,6 +272,7 @@ def main(argv=None) -> int:
         "recommended_guidance": best,
         "accuracy": results[best]["random"],
         "heldout_accuracy": results[best]["heldout"],
+        "initialized_from": earlier_stage,
         "command": " ".join(["python3", "-m", "carnator_engine.demo.train"] + list(argv if argv is not None else sys.argv[1:])),
     }
     with open(json_path, "w") as handle:
