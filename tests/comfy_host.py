@@ -25,7 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMFYUI = os.path.abspath(os.environ.get("COMFYUI_PATH", "/opt/ComfyUI"))
 PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
 PLUGIN_DIR_NAME = "carnator"
-TINY_WAN_NAME = "carnator_tiny_wan21_t2v.safetensors"
 
 
 def skip_reason() -> Optional[str]:
@@ -61,12 +60,12 @@ def default_store_dir(base: str) -> str:
     return os.path.join(base, "user", "carnator_cache")
 
 
-def build_tiny_wan(base: str, seed: int = 0) -> str:
-    """The tiny random Wan2.1 T2V model (ComfyUI's WanModel), saved into base/models/diffusion_models."""
-    out = os.path.join(base, "models", "diffusion_models", TINY_WAN_NAME)
-    subprocess.run([PYTHON, os.path.join(ROOT, "tests", "host", "make_tiny_wan.py"), out, str(seed)],
-                   cwd=COMFYUI, check=True, capture_output=True, timeout=300)
-    return out
+def build_tiny_wan(base: str) -> str:
+    """The host tests' tiny random Wan2.1 T2V model (ComfyUI's WanModel), saved into base/models/diffusion_models."""
+    folder = os.path.join(base, "models", "diffusion_models")
+    run = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "host", "make_tiny_wan.py"), folder],
+                         cwd=COMFYUI, check=True, capture_output=True, text=True, timeout=300)
+    return run.stdout.strip().splitlines()[-1]
 
 
 class ComfyServer:
