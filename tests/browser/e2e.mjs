@@ -4,9 +4,11 @@
 //
 // CONFIG: {url, screenshots (dir), userDataDir, chromium (default /usr/bin/chromium), expectPrompt,
 //          workflow (optional API-format prompt: loaded into the UI and queued from it),
-//          queueCount (how many times to queue it, same seed), changeBeforeRepeat ({node, widget, value}:
-//          a widget changed before each repeat so ComfyUI runs the prompt again instead of reusing its outputs), entryId (entry to find and delete; default:
-//          the entry the first run stored, else the first entry showing expectPrompt),
+//          queueCount (how many times to queue it, same seed),
+//          changeBeforeRepeat ({node, widget, value}: a widget changed before each repeat, so ComfyUI runs
+//          the prompt again instead of answering from its own output cache),
+//          entryId (entry to find and delete; default: the entry the first run stored, else the first
+//          entry showing expectPrompt),
 //          decisionNode (optional node id whose "carnator.decision" badge must appear),
 //          clearAll (then try "Clear all": cancel once, confirm once), timeoutMs}
 // Prints one JSON line: {entryId, entryText, decision (last, as the node holds it), decisions (all events),
