@@ -130,3 +130,16 @@ def empty_video_latent(nodes, width: int = 128, height: int = 128, length: int =
         return node().generate(width, height, length, 1)[0]
     import torch  # a later ComfyUI where the node moved to the V3 API
     return {"samples": torch.zeros(1, 16, (length - 1) // 4 + 1, height // 8, width // 8)}
+
+
+def import_plugin_package(name: str = "carnator_plugin_under_test"):
+    """This repository imported as a package from its root __init__.py, as ComfyUI's loader does, without
+    ComfyUI: the import must not need the host."""
+    import importlib.util
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "__init__.py", submodule_search_locations=[str(REPO)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

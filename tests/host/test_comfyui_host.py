@@ -322,3 +322,7 @@ def test_plugin_loads_through_comfyui_custom_node_loader(comfy, plugin):
     assert os.path.realpath(comfy.EXTENSION_WEB_DIRS[hostsetup.PLUGIN_DIR_NAME]) == str(hostsetup.REPO / "web")
     import carnator_engine
     assert Path(carnator_engine.__file__).resolve().parent == hostsetup.REPO / "carnator_engine"
+    from comfy_config import config_parser          # what ComfyUI and the registry CLI read
+    project = config_parser.extract_node_configuration(install)
+    assert project.project.name == "comfyui-carnator" and project.tool_comfy.publisher_id == "carnator"
+    assert project.tool_comfy.display_name == "Carnator"

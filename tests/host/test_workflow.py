@@ -1,0 +1,70 @@
+"""The shipped workflow (workflows/carnator_wan21_t2v.json): node types exist, links fit, widget values
+match INPUT_TYPES. Carnator's nodes are checked without the host; core nodes against the real host."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import hostsetup
+from workflowcheck import FRONTEND_ONLY, check_workflow
+
+WORKFLOW = hostsetup.REPO / "workflows" / "carnator_wan21_t2v.json"
+MODEL_FILES = {"unet_name", "clip_name", "vae_name"}   # names of files the user downloads
+
+
+@pytest.fixture(scope="module")
+def workflow():
+    return json.loads(WORKFLOW.read_text())
+
+
+def test_workflow_carnator_nodes_match_our_mappings_without_the_host(workflow):
+    package = hostsetup.import_plugin_package()
+    ours = package.NODE_CLASS_MAPPINGS
+    used = {n["type"] for n in workflow["nodes"] if n["type"].startswith("Carnator")}
+    assert used == {"CarnatorCache", "CarnatorSampler"}
+    assert used <= set(ours)
+    assert all(name.startswith("Carnator") and package.NODE_DISPLAY_NAME_MAPPINGS[name].startswith("Carnator ")
+               for name in ours)
+    # sampler/scheduler lists come from the host; without it only Carnator's own combos are checked
+    problems = check_workflow(workflow, ours, check_combos=lambda node_type, name: name == "risk")
+    assert problems == []
+
+
+def test_workflow_core_nodes_exist_in_the_host(comfy, plugin, workflow):
+    classes = comfy.NODE_CLASS_MAPPINGS
+    missing = {n["type"] for n in workflow["nodes"]} - set(classes) - FRONTEND_ONLY
+    assert missing == set()
+    expected = ["UNETLoader", "CLIPLoader", "CLIPTextEncode", "EmptyHunyuanLatentVideo", "CarnatorCache",
+                "CarnatorSampler", "VAELoader", "VAEDecode", "SaveAnimatedWEBP"]
+    assert set(expected) <= {n["type"] for n in workflow["nodes"]}
+    assert [n for n in workflow["nodes"] if n["type"] == "CLIPLoader"][0]["widgets_values"][1] == "wan"
+    problems = check_workflow(workflow, classes, check_combos=lambda node_type, name: name not in MODEL_FILES)
+    assert problems == []
+
+
+def test_host_template_browser_lists_the_workflow(comfy, plugin):
+    """ComfyUI 0.3.64 looks for example_workflows/, example/, examples/, workflow/ and workflows/ in each
+    custom node: workflows/ is found, so no example_workflows/ mirror (it would list the workflow twice)."""
+    aiohttp_web = pytest.importorskip("aiohttp.web")
+    test_utils = pytest.importorskip("aiohttp.test_utils")
+    import asyncio
+    import os
+    import folder_paths
+    from app.custom_node_manager import CustomNodeManager
+    _, install = plugin
+    folder_paths.add_model_folder_path("custom_nodes", os.path.dirname(install))
+
+    async def templates():
+        app = aiohttp_web.Application()
+        routes = aiohttp_web.RouteTableDef()
+        CustomNodeManager().add_routes(routes, app, [(hostsetup.PLUGIN_DIR_NAME, install)])
+        app.add_routes(routes)
+        async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+            listing = await (await client.get("/workflow_templates")).json()
+            served = await client.get(f"/api/workflow_templates/{hostsetup.PLUGIN_DIR_NAME}/carnator_wan21_t2v.json")
+            return listing, served.status, await served.json(content_type=None)
+
+    listing, status, served = asyncio.run(templates())
+    assert listing.get(hostsetup.PLUGIN_DIR_NAME) == ["carnator_wan21_t2v"]
+    assert status == 200 and served == json.loads(WORKFLOW.read_text())
