@@ -445,8 +445,10 @@ class ComfyRunner:
             raise ValueError(f"steps [{start}, {end}) are outside the schedule's {steps} steps")
         if start == end:
             return x
-        sub = torch.as_tensor(sigmas, dtype=torch.float32).flatten()[start:end + 1].cpu()
-        run = _Run(observer, self.layout, torch.as_tensor(sigmas).flatten(), start, end, steps, self.step_callback)
+        schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
+        # a copy: some host samplers write into the sigmas they are given (uni_pc sets the last one to 0.001)
+        sub = schedule[start:end + 1].clone()
+        run = _Run(observer, self.layout, schedule, start, end, steps, self.step_callback)
         model = self._patched_clone(run)
         x = x.detach().to("cpu", torch.float32)
         sigma0 = float(sub[0])
@@ -457,9 +459,11 @@ class ComfyRunner:
         else:
             noise, latent = torch.zeros_like(x), self.to_latent_format(x / (1.0 - sigma0)).cpu()
         sampler = comfy.samplers.sampler_object(self.sampler_name)
-        out = comfy.sample.sample_custom(model, noise, self.cfg, sampler, sub, self.positive, self.negative, latent,
-                                         callback=run.callback, disable_pbar=self.disable_pbar, seed=self.seed)
-        x_end = self.from_latent_format(out.to("cpu")) * (1.0 - float(sub[-1]))
+        with torch.no_grad():
+            out = comfy.sample.sample_custom(model, noise, self.cfg, sampler, sub, self.positive, self.negative,
+                                             latent, callback=run.callback, disable_pbar=self.disable_pbar,
+                                             seed=self.seed)
+        x_end = self.from_latent_format(out.to("cpu")) * (1.0 - float(schedule[end]))
         run.finish(x_end)
         self.evaluations += run.evaluations
         return x_end

@@ -105,6 +105,37 @@ def build_tiny_wan(directory: str, seed: int = 0) -> str:
     return TINY_WAN
 
 
+TINY_LTXV = "carnator_test_tiny_ltxv.safetensors"
+
+
+def build_tiny_ltxv(directory: str, seed: int = 0) -> str:
+    """A 2-block LTX-Video model (inner dim 64, 128 latent channels) with random weights; its shape travels in
+    the safetensors metadata, which ComfyUI's model detection reads."""
+    import json
+    import safetensors.torch
+    import torch
+    import comfy.ops
+    import folder_paths
+    from comfy.ldm.lightricks.model import LTXVModel
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, TINY_LTXV)
+    if not os.path.exists(path):
+        config = dict(in_channels=128, cross_attention_dim=64, attention_head_dim=32, num_attention_heads=2,
+                      caption_channels=4096, num_layers=2)
+        model = LTXVModel(**config, operations=comfy.ops.disable_weight_init)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "norm" in name and name.endswith("weight"):
+                    parameter.fill_(1.0)
+                else:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path,
+                                    metadata={"config": json.dumps({"transformer": config})})
+    folder_paths.add_model_folder_path("diffusion_models", directory)
+    return TINY_LTXV
+
+
 def load_plugin(nodes, custom_nodes_dir: str):
     """Loads this repository with ComfyUI's own custom-node loader, from a folder named like an install."""
     os.makedirs(custom_nodes_dir, exist_ok=True)

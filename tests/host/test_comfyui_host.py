@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import hostsetup
+from conftest import CallCounter
 
 STEPS, PROBE, CFG, SEED = 10, 2, 5.0, 42
 HERE = Path(__file__).resolve().parent
@@ -32,10 +33,10 @@ def open_cache(comfy, directory, size_gb=1.0):
 
 
 def sample(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
-           risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7"):
+           risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None):
     out = node(comfy, "CarnatorSampler").sample(model, cache, positive, negative, latent, seed, steps, cfg,
                                                   sampler_name, "simple", probe_steps, risk, sparse_attention,
-                                                  unique_id=unique_id, prompt=None)
+                                                  unique_id=unique_id, prompt=prompt)
     latent_out, summary_json = out["result"]
     summary = json.loads(summary_json)
     assert out["ui"]["text"][0].startswith("Carnator HIT" if summary["reuse"] else "Carnator MISS")
@@ -110,15 +111,45 @@ def test_runner_reproduces_host_sampling_and_reports_every_step(comfy, plugin, t
     assert "optimized_attention_override" not in tiny_model.model_options["transformer_options"]
 
 
+@pytest.mark.parametrize("sampler_name", ["heun", "dpmpp_2m", "euler_ancestral", "uni_pc"])
+def test_other_samplers_report_the_samplers_own_states(comfy, plugin, tiny_model, conds, latent, sampler_name):
+    """Predictor samplers (heun evaluates at the next sigma), multistep ones, ancestral noise, and uni_pc (its
+    schedule drops the penultimate sigma, as KSampler's does): steps, checkpoints and output match the host."""
+    import comfy.sample
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.observer import CheckpointRecorder
+    positive, negative = conds
+    samples, steps = latent["samples"], 6
+    noise = comfy.sample.prepare_noise(samples, SEED)
+    seen = {}
+    reference = comfy.sample.sample(tiny_model, noise, steps, CFG, sampler_name, "simple", positive, negative, samples,
+                                    callback=lambda i, x0, x, total: seen.setdefault(i, x.clone()),
+                                    disable_pbar=True, seed=SEED)
+    runner = ComfyRunner(tiny_model, positive, negative, CFG, sampler_name, "simple", steps=steps, seed=SEED)
+    schedule = runner.sigmas.clone()
+    observer = RecordingObserver()
+    observer.inner.checkpoints = CheckpointRecorder(frozenset(range(steps)))
+    full = runner.run(noise * float(runner.sigmas[0]), runner.sigmas, 0, steps, observer)
+    assert torch.equal(runner.sigmas, schedule)           # uni_pc writes into the sigmas it is handed
+    assert torch.allclose(runner.to_latent_format(full), reference, atol=1e-4)
+    assert observer.steps == list(range(steps)) and observer.ends == list(range(steps))
+    for step, x in seen.items():
+        assert torch.allclose(observer.inner.checkpoints.latents[step].float(), x, atol=1e-2), step
+
+
 # ---- the reuse pipeline through the nodes ------------------------------------------------------
 
 def test_sampler_node_miss_then_hit_with_fewer_model_calls(comfy, plugin, counted, conds, latent, tmp_path):
     positive, negative = conds
     cache = open_cache(comfy, tmp_path / "cache")
-    first, miss = sample(comfy, counted.model, cache, positive, negative, latent)
+    graph = {"7": {"class_type": "CarnatorSampler", "inputs": {"positive": ["3", 0]}},
+             "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox in the snow", "clip": ["2", 0]}}}
+    first, miss = sample(comfy, counted.model, cache, positive, negative, latent, prompt=graph)
     miss_calls = counted.take()
     assert not miss["reuse"] and miss["stored_as"] and miss["model_calls"] == STEPS
     assert [r.entry_id for r in cache.records()] == [miss["stored_as"]]
+    assert cache.record(miss["stored_as"]).prompt == "a red fox in the snow"      # the cache browser's label
+    assert cache.thumbnail(miss["stored_as"]).startswith(b"\x89PNG")              # from Wan's latent->RGB
     assert first["samples"].shape == latent["samples"].shape
 
     second, hit = sample(comfy, counted.model, cache, positive, negative, latent)
@@ -249,6 +280,27 @@ def test_composes_with_existing_attention_override_and_block_patch(comfy, plugin
     assert seen["block"] == STEPS and seen["attention"] == STEPS * 4       # self + cross, 2 blocks
     assert torch.allclose(plain["samples"], layered["samples"], atol=1e-5)
     assert model.model_options["transformer_options"]["optimized_attention_override"] is other_override
+
+
+def test_ltx_video_model_miss_then_hit(comfy, plugin, conds, tmp_path, host_dirs):
+    import comfy.ldm.modules.attention as attention
+    name = hostsetup.build_tiny_ltxv(host_dirs["models"])
+    model = node(comfy, "UNETLoader").load_unet(name, "default")[0]
+    assert type(model.model).__name__ == "LTXV"
+
+    def masked_sdpa(func, *args, **kwargs):     # the CPU default (sub-quadratic) rejects LTXV's text mask
+        return attention.attention_pytorch(*args, **kwargs)
+    model.model_options["transformer_options"]["optimized_attention_override"] = masked_sdpa
+    counter = CallCounter(model)
+    mask = {"attention_mask": torch.ones(1, 1, 128)}
+    positive = [[hostsetup.conditioning(1)[0][0][:, :128], dict(mask)]]
+    negative = [[hostsetup.conditioning(2)[0][0][:, :128], dict(mask)]]
+    latent = {"samples": torch.zeros(1, 128, 3, 8, 8)}
+    cache = open_cache(comfy, tmp_path / "cache")
+    _, miss = sample(comfy, counter.model, cache, positive, negative, latent, cfg=3.0)
+    assert not miss["reuse"] and counter.take() == STEPS
+    _, hit = sample(comfy, counter.model, cache, positive, negative, latent, cfg=3.0)
+    assert hit["reuse"] and hit["resume_step"] > PROBE and counter.take() == hit["model_calls"] < STEPS
 
 
 # ---- bad inputs --------------------------------------------------------------------------------
