@@ -222,6 +222,12 @@ def test_model_patch_changes_the_bucket(comfy, plugin, tiny_model, counted, cond
     _, again = sample(comfy, counted.model, cache, positive, negative, latent)   # the patched weights were in
     assert again["reuse"] and again["entry_id"] == miss["stored_as"]           # place: the base still matches
 
+    fresh = "no earlier generation of this model, shape and schedule is in the cache"
+    _, other_steps = sample(comfy, counted.model, cache, positive, negative, latent, steps=STEPS - 2)
+    smaller = hostsetup.empty_video_latent(comfy, width=96, height=96, length=9)
+    _, other_shape = sample(comfy, counted.model, cache, positive, negative, smaller)
+    assert other_steps["reasons"] == [fresh] and other_shape["reasons"] == [fresh]
+
 
 def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, conds, latent, tmp_path, monkeypatch):
     positive, negative = conds
