@@ -1,0 +1,53 @@
+"""The shipped workflow loaded by the real ComfyUI frontend (headless Chromium, a CPU server with the plugin):
+every node type is known, and the API prompt the web app builds from it gives each Carnator input the value
+the workflow means (the frontend, not our own reading of widgets_values, decides that mapping).
+
+Needs the host (COMFYUI_PATH), Chromium, node and playwright-core (cd tests/browser && npm install);
+skipped with the reason otherwise.
+"""
+import json
+import os
+import subprocess
+
+import pytest
+
+import comfy_host
+from test_browser_e2e import BROWSER_DIR, CHROMIUM, NODE, REASON, seed_user_settings
+
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+WORKFLOW = os.path.join(comfy_host.ROOT, "workflows", "carnator_wan21_t2v.json")
+
+
+def test_frontend_reads_the_workflow_as_meant(tmp_path):
+    base = comfy_host.make_base(str(tmp_path / "base"))
+    seed_user_settings(base)
+    with open(WORKFLOW) as handle:
+        workflow = json.load(handle)
+    with comfy_host.ComfyServer(base) as server:
+        config = {"url": server.url, "workflow": workflow, "userDataDir": str(tmp_path / "profile"),
+                  "chromium": CHROMIUM, "timeoutMs": 120000}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        run = subprocess.run([NODE, os.path.join(BROWSER_DIR, "load_workflow.mjs"), str(tmp_path / "config.json")],
+                             cwd=BROWSER_DIR, capture_output=True, text=True, timeout=600)
+        server_log = server.log()
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result (rc {run.returncode}):\n{run.stderr[-3000:]}\n{server_log[-3000:]}"
+    result = json.loads(lines[-1])
+    assert "error" not in result, result["error"]
+    assert result["missing"] == []
+    prompt = result["prompt"]
+    sampler = prompt["7"]
+    assert sampler["class_type"] == "CarnatorSampler"
+    assert sampler["inputs"] == {
+        "model": ["1", 0], "cache": ["6", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0],
+        "seed": 12345, "steps": 30, "cfg": 6.0, "sampler_name": "euler", "scheduler": "simple", "probe_steps": 3,
+        "risk": "balanced", "sparse_attention": True}
+    assert prompt["6"] == {"class_type": "CarnatorCache", "inputs": {"cache_dir": "", "size_limit_gb": 8.0},
+                           "_meta": prompt["6"].get("_meta")}
+    assert result["nodes"]["7"]["widgets"]["control_after_generate"] == "fixed"
+    assert prompt["5"]["inputs"] == {"width": 832, "height": 480, "length": 33, "batch_size": 1}
+    assert prompt["2"]["inputs"]["type"] == "wan"
+    assert prompt["10"]["class_type"] == "SaveAnimatedWEBP" and prompt["10"]["inputs"]["images"] == ["9", 0]
+    assert "11" not in prompt                                   # the note stays in the web app
+    ours = [e for e in result["consoleErrors"] if "carnator" in e.lower()]
+    assert not ours, ours
