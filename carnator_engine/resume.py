@@ -17,6 +17,8 @@ def resume_latent(probe_latent: torch.Tensor, probe_denoised: torch.Tensor, sigm
     if cached.shape != probe_latent.shape:
         raise ValueError(f"cached latent {tuple(cached.shape)} does not match this request's latent "
                          f"{tuple(probe_latent.shape)}: the entry belongs to another latent size")
-    own = jump(probe_latent, probe_denoised, sigma_probe, sigma_resume)
+    # a host's sampler may leave the denoised estimate on the GPU while the latent comes back on the CPU
+    denoised = probe_denoised.to(probe_latent.device, probe_latent.dtype)
+    own = jump(probe_latent, denoised, sigma_probe, sigma_resume)
     return torch.where(target.to(own.device)[None, None], own, cached)
 

@@ -25,6 +25,18 @@ def test_resume_latent_takes_target_from_own_state_and_the_rest_from_cache():
         resume_latent(probe_latent, denoised, 0.9, 0.5, torch.randn(1, 2, 3, 4, 5), target)
 
 
+def test_resume_latent_accepts_a_denoised_estimate_on_another_device_or_dtype():
+    # ComfyRunner hands back the latent on the CPU while the sampler's x0 stays on the GPU (seen on an H200)
+    probe_latent, cached = torch.randn(1, 2, 3, 4, 4), torch.randn(1, 2, 3, 4, 4).half()
+    denoised = torch.randn(1, 2, 3, 4, 4, dtype=torch.float64)
+    if torch.cuda.is_available():
+        denoised = denoised.cuda()
+    target = torch.ones(3, 4, 4, dtype=torch.bool)
+    x = resume_latent(probe_latent, denoised, 0.9, 0.5, cached, target)
+    assert x.device == probe_latent.device and x.dtype == probe_latent.dtype
+    torch.testing.assert_close(x, jump(probe_latent, denoised.cpu().float(), 0.9, 0.5))
+
+
 def test_target_cells_dilate_and_upsample_to_the_latent():
     cell_map = torch.zeros(4, 4, 4)
     cell_map[2, 2, 2] = 1.0

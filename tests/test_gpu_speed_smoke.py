@@ -1,0 +1,67 @@
+"""CPU smoke run of benchmarks/gpu_speed.py (--smoke: 2 layers, dim 256, N=6, p=2, k=3) through ComfyUI.
+
+Skipped when no ComfyUI checkout is found (COMFYUI_PATH, .host/ComfyUI, /opt/ComfyUI) or its
+dependencies are missing, and when the run takes longer than the budget below (slow or shared CPU):
+the test guards the script's plumbing (ComfyRunner + pipeline miss, hits, overhead, JSON), not speed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_speed.py")
+BUDGET_S = 20
+
+
+def _comfyui():
+    for path in (os.environ.get("COMFYUI_PATH"), os.path.join(ROOT, ".host", "ComfyUI"), "/opt/ComfyUI"):
+        if path and os.path.isfile(os.path.join(path, "comfy", "model_base.py")):
+            return path
+    return None
+
+
+def _skip_reason():
+    comfy = _comfyui()
+    if comfy is None:
+        return "no ComfyUI checkout (set COMFYUI_PATH)"
+    probe = subprocess.run([sys.executable, "-c", "import torchsde, diskcache, einops, scipy, safetensors"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        return "this interpreter lacks ComfyUI's sampler dependencies (torchsde, diskcache, ...)"
+    return None
+
+
+def test_gpu_speed_smoke(tmp_path):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "smoke.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", COMFYUI_PATH=_comfyui())
+    try:
+        proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--device", "cpu", "--repeats", "1",
+                               "--out", str(out), "--store-dir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=BUDGET_S, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"smoke run took over {BUDGET_S} s on this CPU")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    res = data["results"]
+    assert data["path"].startswith("ComfyRunner")
+    assert res["full"]["finite"]
+    assert res["miss"]["model_calls"] == 6
+    assert res["miss"]["rel_diff_vs_full"] < 1e-3        # the hooks do not change the computation
+    for key in ("hit_measured", "hit_band"):
+        assert "error" not in res[key], res[key].get("error")
+        run = res[key]["runs"][0]
+        assert run["resume_step"] == 3 and run["model_calls"] == 2 + 3
+        assert run["sparse_attend_calls"] == 3 * 2       # (N - k) steps x 2 blocks ran the cached plan
+        assert run["finite"]
+    assert 0.2 < res["hit_band"]["density"] < 0.45
+    assert res["overhead"]["store_entries"] >= 5
+    assert {s["case"] for s in res["summary"]} == {"hit, measured connectivity", "hit, band connectivity"}
+    assert "| case" in proc.stdout
