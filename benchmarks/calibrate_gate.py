@@ -82,9 +82,10 @@ def main(argv=None) -> int:
                     decision = decide(probed, candidates, forced)
                     if not decision.reuse:
                         continue
+                    row.setdefault("resumed_at", {})[k] = decision.resume_step
                     result = resume(runner, probed, decision, store, forced)
                     read = world.analyze(result.latent[0].clamp(-1, 1))
-                    row["correct_at"][decision.resume_step] = all(read[a] == second[a] for a in world.ATTRIBUTES)
+                    row["correct_at"][k] = all(read[a] == second[a] for a in world.ATTRIBUTES)
                 store.close()
             rows.append(row)
         report[kind] = rows
