@@ -11,6 +11,12 @@ over the time budget, an EMA of the weights, bf16 autocast on CUDA. At the end t
 to fp16 exactly as shipped, sample held-out random prompts (Euler, flow_sigmas(steps)) at several
 guidance scales; the analyzer scores each attribute. Weights go to --out (fp16 safetensors that
 load_tiny_dit reads), the scores to --json.
+
+The shipped weights came from two runs on one H200 (benchmarks/results/demo_model_accuracy.json
+holds both commands; eager steps are launch-bound, so the second, compiled run uses a 4x batch):
+    python3 -m carnator_engine.demo.train --out stage1.safetensors --minutes 6.5
+    python3 -m carnator_engine.demo.train --init stage1.safetensors --out tiny_dit.safetensors \
+        --minutes 5 --batch 1024 --lr 8e-4 --warmup 200 --compile on --guidance 1,2,2.5,3,4 --seed 1
 """
 from __future__ import annotations
 
