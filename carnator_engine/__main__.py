@@ -13,6 +13,8 @@ import sys
 import tempfile
 import time
 
+from .demo import DEMO_GUIDANCE, DEMO_STEPS
+
 DEMO_SESSION = [
     ("first request: cold cache", {"color": "red", "shape": "circle", "direction": "right", "background": "black",
                                    "size": "large", "speed": "slow"}, 1),
@@ -108,10 +110,10 @@ def main(argv=None) -> int:
     demo = commands.add_parser("demo", help="replay a short iteration session on the embedded demo model")
     demo.add_argument("--cache", default="", help="cache directory (default: a fresh temporary one)")
     demo.add_argument("--weights", default="", help="tiny DiT checkpoint (default: the embedded demo model)")
-    demo.add_argument("--steps", type=_positive_int, default=20)
+    demo.add_argument("--steps", type=_positive_int, default=DEMO_STEPS)
     demo.add_argument("--probe-steps", type=_positive_int, default=3)
     demo.add_argument("--risk", choices=("safe", "balanced", "aggressive"), default="balanced")
-    demo.add_argument("--guidance", type=float, default=1.0)
+    demo.add_argument("--guidance", type=float, default=DEMO_GUIDANCE)
     demo.add_argument("--json", default="", help="also write the results to this JSON file")
     for sub in (demo, commands.add_parser("stats", help="print a cache's statistics"),
                 commands.add_parser("clear", help="delete every entry of a cache")):
