@@ -11,7 +11,8 @@ connectivity:
   :func:`token_blocks_from_mask`),
 * run exact attention restricted to the allowed blocks
   (:func:`block_sparse_attention`), and
-* keep one table per transformer block with explicit, storable state
+* keep one table per transformer block with explicit state (stored as boolean
+  tables by :mod:`carnator_engine.connectivity`)
   (:class:`BlockSparseAttention`).
 
 Conventions
@@ -77,7 +78,6 @@ except Exception:  # pragma: no cover - depends on the torch build
 
 __all__ = [
     "FLEX_TILE",
-    "STATE_FORMAT",
     "BlockSparseAttention",
     "block_sparse_attention",
     "build_block_mask",
@@ -98,7 +98,6 @@ __all__ = [
 FLEX_TILE = 128
 """Token tile of the flex kernel's sparse block (BlockMask BLOCK_SIZE)."""
 
-STATE_FORMAT = "carnator.block_sparse_attention/1"
 
 
 # ----------------------------------------------------------------------------
@@ -672,16 +671,6 @@ def block_sparse_attention(
 # ----------------------------------------------------------------------------
 
 
-def _pack(mask: torch.Tensor) -> bytes:
-    return np.packbits(mask.detach().to("cpu").numpy().astype(np.bool_).ravel()).tobytes()
-
-
-def _unpack(data: bytes, shape) -> torch.Tensor:
-    n = int(np.prod(shape))
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n)
-    return torch.from_numpy(bits.astype(np.bool_).reshape(shape))
-
-
 class BlockSparseAttention:
     """Cached block-sparse connectivity of one transformer, one table per block.
 
@@ -695,7 +684,7 @@ class BlockSparseAttention:
     block's densified table, or plain SDPA when the block has none.  Densified,
     validated tables are cached per (block, device), and on CUDA the flex BlockMask
     of each block too (built once, ~1 MB of index tensors per 256x256 table, kept on
-    the device; not part of :meth:`to_state`).  Changing a table or the dense regions
+    the device).  Changing a table or the dense regions
     via :meth:`set_connectivity` / :meth:`set_dense_blocks` clears those caches.
     """
 
@@ -828,68 +817,3 @@ class BlockSparseAttention:
             f"BlockSparseAttention(blocks={len(self)}, block_size={self.block_size}, "
             f"mean_density={self.mean_density():.3f})"
         )
-
-    # -- storage ---------------------------------------------------------------
-
-    def to_state(self) -> dict:
-        """Plain, picklable dict; tables bit-packed with ``numpy.packbits``.
-
-        A Wan-1.3B-size plan (30 blocks x 256x256 tables) is ~240 KB.
-        """
-
-        def pack_blocks(blocks: Any):
-            if blocks is None:
-                return None
-            if isinstance(blocks, torch.Tensor) and blocks.dtype == torch.bool:
-                return {"bits": _pack(blocks), "n": int(blocks.numel())}
-            return {"indices": [int(i) for i in (blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)]}
-
-        return {
-            "format": STATE_FORMAT,
-            "block_size": self.block_size,
-            "seq_len": None if self.seq_len is None else int(self.seq_len),
-            "blocks": {
-                int(idx): {"shape": tuple(int(s) for s in conn.shape), "bits": _pack(conn)}
-                for idx, conn in sorted(self.connectivities.items())
-            },
-            "dense_query_blocks": pack_blocks(self.dense_query_blocks),
-            "dense_key_blocks": pack_blocks(self.dense_key_blocks),
-        }
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any], **kwargs: Any) -> "BlockSparseAttention":
-        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            got = state.get("format") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(
-                f"not a BlockSparseAttention state (format {got!r}, expected {STATE_FORMAT!r}); "
-                "it was written by another version - rebuild the plan"
-            )
-
-        def unpack_blocks(entry: Any):
-            if entry is None:
-                return None
-            if "bits" in entry:
-                return _unpack(entry["bits"], (int(entry["n"]),))
-            return list(entry["indices"])
-
-        conns = {
-            int(idx): _unpack(b["bits"], tuple(b["shape"])) for idx, b in state["blocks"].items()
-        }
-        return cls(
-            conns,
-            block_size=int(state["block_size"]),
-            dense_query_blocks=unpack_blocks(state.get("dense_query_blocks")),
-            dense_key_blocks=unpack_blocks(state.get("dense_key_blocks")),
-            seq_len=state.get("seq_len"),
-            **kwargs,
-        )
-
-    @staticmethod
-    def state_nbytes(state: Mapping[str, Any]) -> int:
-        """Bytes of packed table data in a state (what dominates its stored size)."""
-        n = sum(len(b["bits"]) for b in state["blocks"].values())
-        for key in ("dense_query_blocks", "dense_key_blocks"):
-            entry = state.get(key)
-            if entry and "bits" in entry:
-                n += len(entry["bits"])
-        return n

@@ -83,7 +83,7 @@ class TrajectoryPayload:
     """What a hit needs from an entry: the latents entering chosen steps, and attention connectivity."""
 
     checkpoints: dict          # step -> latent tensor (fp16, CPU)
-    connectivity: dict         # name -> tensor (BlockSparseAttention.to_state())
+    connectivity: dict         # name -> tensor (ConnectivityRecorder.tensors())
 
 
 class CarnatorStore:

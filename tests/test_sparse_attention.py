@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import pickle
 import sys
 from pathlib import Path
 
@@ -209,8 +208,6 @@ def test_validation_errors():
         densify(good, dense_query_blocks=torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="outside"):
         densify(good, dense_key_blocks=[7])
-    with pytest.raises(ValueError, match="format"):
-        BlockSparseAttention.from_state({"format": "other/9"})
 
 
 # ---------------------------------------------------------------------------
@@ -241,33 +238,6 @@ def test_from_block_attention():
     assert sorted(plan.connectivities) == [0, 1, 2]
     for i in range(3):
         assert torch.equal(plan.connectivities[i], select_connectivity(att[i], 0.8))
-
-
-def test_state_round_trip():
-    q, k, v = qkv(L=70, seed=15)
-    conns = {i: random_conn(5, 5, 0.3, 20 + i) for i in range(4)}
-    plan = BlockSparseAttention(conns, block_size=16, dense_query_blocks=torch.tensor([1, 0, 0, 0, 0], dtype=torch.bool),
-                                dense_key_blocks=[3], seq_len=70)
-    state = pickle.loads(pickle.dumps(plan.to_state()))
-    back = BlockSparseAttention.from_state(state)
-    assert back.block_size == 16 and back.seq_len == 70
-    assert sorted(back.connectivities) == sorted(conns)
-    for i, c in conns.items():
-        assert torch.equal(back.connectivities[i], c)
-        assert torch.equal(back.effective_connectivity(i), plan.effective_connectivity(i))
-        torch.testing.assert_close(back.attend(i, q, k, v), plan.attend(i, q, k, v), atol=0, rtol=0)
-    assert back.mean_density() == pytest.approx(plan.mean_density())
-
-
-def test_state_size_wan_1_3b_plan():
-    g = torch.Generator().manual_seed(0)
-    conns = {i: torch.rand(256, 256, generator=g) < 0.3 for i in range(30)}
-    state = BlockSparseAttention(conns, block_size=128, seq_len=32760).to_state()
-    nbytes = len(pickle.dumps(state))
-    assert BlockSparseAttention.state_nbytes(state) == 30 * 256 * 256 // 8
-    assert nbytes < 300_000, nbytes
-    back = BlockSparseAttention.from_state(pickle.loads(pickle.dumps(state)))
-    assert all(torch.equal(back.connectivities[i], conns[i]) for i in conns)
 
 
 # ---------------------------------------------------------------------------
