@@ -11,9 +11,9 @@ connectivity:
   :func:`token_blocks_from_mask`),
 * run exact attention restricted to the allowed blocks
   (:func:`block_sparse_attention`), and
-* keep one table per transformer block with explicit state (stored as boolean
-  tables by :mod:`carnator_engine.connectivity`)
-  (:class:`BlockSparseAttention`).
+* keep one table per transformer block with explicit state
+  (:class:`BlockSparseAttention`; stored as boolean tables by
+  :mod:`carnator_engine.connectivity`).
 
 Conventions
 -----------
