@@ -44,8 +44,9 @@ class GatePolicy:
         return self
 
 
-# Thresholds are relative distances, so they carry across backbones; their values were set on the
-# evaluation world (benchmarks/quality.py), where the truth of every generated attribute is known.
+# Thresholds are relative distances, so they carry across backbones. The values were checked in the
+# evaluation world, where the truth of every generated attribute is known: benchmarks/calibrate_gate.py
+# shows each input's distribution per kind of edit, benchmarks/quality.py what each preset costs and saves.
 RISK_POLICIES = {
     "safe": GatePolicy(max_hidden=0.010, max_attention=0.08, max_context=0.20, cell_threshold=0.30,
                        max_target_fraction=0.35, max_resume_fraction=0.45),
