@@ -166,8 +166,9 @@ class CarnatorEarlyProbe:
     @classmethod
     def INPUT_TYPES(cls):
         inputs = _request_inputs()
-        inputs["block_size"] = ("INT", {"default": 64, "min": 16, "max": 1024, "step": 16,
-                                        "tooltip": "Tokens per attention block (64 on CPU, 128 on GPUs)."})
+        inputs["block_size"] = ("INT", {"default": 0, "min": 0, "max": 1024, "step": 16,
+                                        "tooltip": "Tokens per attention block; 0 picks FlexAttention's 128 "
+                                                   "on GPUs and 64 on the CPU."})
         return {"required": inputs, "hidden": dict(_HIDDEN)}
 
     RETURN_TYPES = ("CARNATOR_PROBE",)
@@ -178,7 +179,7 @@ class CarnatorEarlyProbe:
     def probe(self, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
               probe_steps, block_size, unique_id=None, prompt=None):
         node = "Carnator Early Probe"
-        config = make_config(node, steps, probe_steps, block_size=block_size)
+        config = make_config(node, steps, probe_steps, block_size=block_size or _default_block_size(model))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
                                          sampler_name, scheduler)
         probed = pipeline.probe(runner, noise, runner.sigmas, config)

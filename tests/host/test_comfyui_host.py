@@ -337,7 +337,8 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideo .*joint", model=hunyuan)
 
     probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED, STEPS, CFG,
-                                                    "euler", "simple", PROBE, 64)[0]
+                                                    "euler", "simple", PROBE, 0)[0]
+    assert probe.config.block_size == 64  # 0 = automatic: the CPU's block size here
     matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
     with pytest.raises(ValueError, match=r"gate setting max_attention=5.0 is outside \(0, 1\]"):
         node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, "balanced", max_attention=5.0)
