@@ -239,7 +239,6 @@ class _Run:
         self.denoised: dict = {}             # local step -> x0 from the sampler callback
         self.first_denoised: dict = {}       # local step -> x0 of its first evaluation (fallback)
         self.tokens: Optional[int] = None
-        self.evaluations = 0
 
     # PREDICT_NOISE wrapper
     def before_evaluation(self, x: torch.Tensor, timestep: torch.Tensor) -> None:
@@ -254,7 +253,6 @@ class _Run:
             self._end_step(x)
             self.local = match
             self.observer.begin_step(self.start + match, x)
-        self.evaluations += 1
 
     def after_evaluation(self, denoised: torch.Tensor) -> None:
         if self.local is not None and self.local not in self.first_denoised:
@@ -387,7 +385,6 @@ class ComfyRunner:
         guidance = _guidance_text(model.model_options)
         self.sampler = f"{sampler_name}/cfg={cfg:g}" + (f"/{guidance}" if guidance else "")
         self.model_fingerprint = model_fingerprint(model, self.backbone)
-        self.evaluations = 0          # model evaluations (sampler calls into the guider), all runs
 
     @staticmethod
     def schedule(model, sampler_name: str, scheduler: str, steps: int) -> torch.Tensor:
@@ -465,7 +462,6 @@ class ComfyRunner:
                                              seed=self.seed)
         x_end = self.from_latent_format(out.to("cpu")) * (1.0 - float(schedule[end]))
         run.finish(x_end)
-        self.evaluations += run.evaluations
         return x_end
 
     def preview(self, latent: torch.Tensor) -> torch.Tensor:
