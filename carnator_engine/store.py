@@ -232,9 +232,6 @@ class CarnatorStore:
     def thumbnail(self, entry_id: str) -> bytes:
         return self._cache.get(("thumb", entry_id)) or b""
 
-    def volume_bytes(self) -> int:
-        return sum(r.size_bytes for r in self.records(include_corrupt=True))
-
     def stats(self) -> dict:
         records = self.records(include_corrupt=True)
         return {"entries": len(records), "corrupt": sum(r.corrupt is not None for r in records),

@@ -72,7 +72,7 @@ def test_eviction_keeps_entries_with_benefit(tmp_path):
     store.record_hit(useful, steps_saved=8)
     others = [_put(store, seed, checkpoint_elems=60_000) for seed in range(1, 8)]
     ids = [r.entry_id for r in store.records()]
-    assert store.volume_bytes() <= 1 << 20
+    assert store.stats()["bytes"] <= 1 << 20
     assert useful in ids and others[-1] in ids
     assert others[0] not in ids
     assert store.record(useful).hits == 1 and store.record(useful).steps_saved == 8
