@@ -712,24 +712,6 @@ class BlockSparseAttention:
         for idx, conn in (connectivities or {}).items():
             self.set_connectivity(idx, conn)
 
-    # -- building --------------------------------------------------------------
-
-    @classmethod
-    def from_block_attention(
-        cls,
-        block_attentions: Mapping[int, torch.Tensor],
-        block_size: int,
-        mass: float = 0.9,
-        min_blocks_per_row: int = 1,
-        **kwargs: Any,
-    ) -> "BlockSparseAttention":
-        """One table per block from pooled summaries (:func:`pooled_block_attention`)."""
-        conns = {
-            int(i): select_connectivity(a, mass=mass, min_blocks_per_row=min_blocks_per_row).cpu()
-            for i, a in block_attentions.items()
-        }
-        return cls(conns, block_size=block_size, **kwargs)
-
     def set_connectivity(self, block_index: int, connectivity: torch.Tensor) -> None:
         _check_connectivity_type(connectivity)
         self.connectivities[int(block_index)] = connectivity.detach()

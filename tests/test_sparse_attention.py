@@ -231,20 +231,6 @@ def test_block_sparse_attention_class_attend_and_density():
         plan.attend(3, *qkv(L=40))
 
 
-def test_from_block_attention():
-    q, k, _ = qkv(L=64, seed=14)
-    att = {i: pooled_block_attention(q * (i + 1), k, 16) for i in range(3)}
-    plan = BlockSparseAttention.from_block_attention(att, block_size=16, mass=0.8)
-    assert sorted(plan.connectivities) == [0, 1, 2]
-    for i in range(3):
-        assert torch.equal(plan.connectivities[i], select_connectivity(att[i], 0.8))
-
-
-# ---------------------------------------------------------------------------
-# flex tiling (logic checked on CPU; kernel on CUDA)
-# ---------------------------------------------------------------------------
-
-
 def _token_mask_of_block_mask(bm, table, block_size, Lq, Lk):
     """Rebuild the token mask a BlockMask (tile 128) describes."""
     T = sa.FLEX_TILE
