@@ -15,21 +15,23 @@ BLOCK_SIZE_KEY = "block_size"
 
 
 class ConnectivityRecorder:
-    def __init__(self, record_step: int, block_size: int, mass: float):
+    def __init__(self, record_step: int, block_size: int, mass: float, max_density: float = 1.0):
         self.record_step = record_step
         self.block_size = block_size
         self.mass = mass
+        self.max_density = max_density
         self.connectivity: dict = {}
 
     def self_attention(self, step: int, block_index: int, q, k) -> None:
+        # tables stay on the model's device until tensors(): a copy per block would stall the GPU queue
         if step == self.record_step:
             pooled = pooled_block_attention(q, k, self.block_size)
-            self.connectivity[block_index] = select_connectivity(pooled, mass=self.mass).cpu()
+            self.connectivity[block_index] = select_connectivity(pooled, mass=self.mass, max_density=self.max_density)
 
     def tensors(self) -> dict:
         if not self.connectivity:
             return {}
-        tables = {str(index): table for index, table in self.connectivity.items()}
+        tables = {str(index): table.cpu() for index, table in self.connectivity.items()}
         return {**tables, BLOCK_SIZE_KEY: torch.tensor(self.block_size)}
 
 

@@ -34,6 +34,7 @@ class CarnatorConfig:
     risk: str = "balanced"
     block_size: int = 64            # tokens per attention block (128 on GPUs, FlexAttention's tile)
     attention_mass: float = 0.9     # share of pooled attention the cached connectivity keeps
+    max_density: float = 1.0        # budget: share of key blocks a query block may keep (1 = mass alone decides)
     sparse_attention: bool = True   # ablation switch: resume with dense attention
     localize: bool = True           # ablation switch: copy the whole cached latent, no target region
     max_checkpoints: int = 12
@@ -51,6 +52,9 @@ class CarnatorConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.attention_mass <= 1.0:
             raise ValueError(f"attention_mass={self.attention_mass} must be in (0, 1]")
+        if not 0.0 < self.max_density <= 1.0:
+            raise ValueError(f"max_density={self.max_density} must be in (0, 1]: the share of key blocks "
+                             "each query block of the cached sparse attention may keep")
         if self.max_checkpoints < 1:
             raise ValueError(f"max_checkpoints must be >= 1, got {self.max_checkpoints}")
         self.policy()
@@ -127,7 +131,8 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
     observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
     if not decision.reuse:
         record_step = max(probed.probe_steps, int(0.3 * steps))
-        observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass)
+        observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass,
+                                                     config.max_density)
         latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, steps, observer)
         return latent, observer, observer.connectivity.tensors()
 

@@ -62,22 +62,24 @@ class SignatureRecorder:
     def last_step(self) -> int:
         return self.probe_steps - 1
 
+    # Views stay on the model's device until signature(): a device-to-host copy per block would
+    # synchronise the GPU 30 times a step and cost more than the probe's own recording.
     def block_output(self, step: int, block_index: int, hidden: torch.Tensor) -> None:
         if step < self.probe_steps:
-            pooled = hidden.detach().float().mean(dim=tuple(range(hidden.dim() - 1)))
-            self.hidden[(step, block_index)] = _reduce_features(pooled).cpu()
+            pooled = hidden.detach().mean(dim=tuple(range(hidden.dim() - 1)), dtype=torch.float32)
+            self.hidden[(step, block_index)] = _reduce_features(pooled)
 
     def self_attention(self, step: int, block_index: int, q: torch.Tensor, k: torch.Tensor) -> None:
         if step == self.last_step:
             pooled = pooled_block_attention(q, k, self.block_size)
             size = min(ATTENTION_GRID, pooled.shape[0])
             coarse = F.adaptive_avg_pool2d(pooled[None, None], size)[0, 0]
-            self.attention[block_index] = (coarse / coarse.sum(-1, keepdim=True)).cpu()
+            self.attention[block_index] = coarse / coarse.sum(-1, keepdim=True)
 
     def denoised(self, step: int, denoised: torch.Tensor) -> None:
         if step == self.last_step:
             grid = tuple(min(g, s) for g, s in zip(self.grid, denoised.shape[-3:]))
-            self.denoised_grid = F.adaptive_avg_pool3d(denoised.detach().float().mean(0, keepdim=True), grid)[0].cpu()
+            self.denoised_grid = F.adaptive_avg_pool3d(denoised.detach().float().mean(0, keepdim=True), grid)[0]
 
     def signature(self) -> EarlySignature:
         if self.denoised_grid is None or not self.hidden:
@@ -87,7 +89,7 @@ class SignatureRecorder:
         hidden = torch.stack([torch.stack([self.hidden[(s, b)] for b in blocks]) for s in range(self.probe_steps)])
         attention = torch.stack([self.attention[b] for b in sorted(self.attention)]) if self.attention \
             else torch.zeros(0, 1, 1)
-        return EarlySignature(hidden=hidden, denoised=self.denoised_grid, attention=attention)
+        return EarlySignature(hidden=hidden.cpu(), denoised=self.denoised_grid.cpu(), attention=attention.cpu())
 
 
 @dataclass

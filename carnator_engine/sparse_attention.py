@@ -225,13 +225,15 @@ def pooled_block_attention(q: torch.Tensor, k: torch.Tensor, block_size: int) ->
 
 
 def select_connectivity(
-    block_attention: torch.Tensor, mass: float = 0.9, min_blocks_per_row: int = 1
+    block_attention: torch.Tensor, mass: float = 0.9, min_blocks_per_row: int = 1, max_density: float = 1.0
 ) -> torch.Tensor:
-    """Smallest per-row set of key blocks whose pooled mass reaches ``mass``.
+    """Smallest per-row set of key blocks whose pooled mass reaches ``mass``, capped at ``max_density``.
 
     Rows are normalised to sum to 1 first (so averaged or unnormalised summaries
-    work too).  At least ``min_blocks_per_row`` of the largest blocks are kept, and
-    the diagonal block (``j = i * nkb // nqb``, i.e. ``i`` when square) always is.
+    work too).  A row keeps at most ``ceil(max_density * nkb)`` of its largest blocks
+    (a budget: near-uniform attention would otherwise need almost every block to
+    reach the mass, and a kernel that visits 90 % of the blocks saves nothing), at least
+    ``min_blocks_per_row``, and always the diagonal block (``j = i * nkb // nqb``).
     Ties are broken towards the lower key index.
     """
     if isinstance(mass, bool) or not isinstance(mass, (int, float, np.floating, np.integer)):
@@ -241,6 +243,10 @@ def select_connectivity(
         raise ValueError(
             f"mass must be in (0, 1] (fraction of each row's pooled attention to keep), got {mass}"
         )
+    if isinstance(max_density, bool) or not isinstance(max_density, (int, float, np.floating, np.integer)) \
+            or not 0.0 < float(max_density) <= 1.0:
+        raise ValueError(f"max_density must be a number in (0, 1] (share of key blocks a row may keep), "
+                         f"got {max_density!r}")
     if isinstance(min_blocks_per_row, bool) or not isinstance(min_blocks_per_row, (int, np.integer)):
         raise ValueError(f"min_blocks_per_row must be an int >= 0, got {min_blocks_per_row!r}")
     if min_blocks_per_row < 0:
@@ -270,6 +276,7 @@ def select_connectivity(
     # (a 1e-9 slack so that mass=1.0 is reachable despite rounding)
     keep_sorted = mass_before < mass - 1e-9
     rank = torch.arange(nkb, device=p.device)
+    keep_sorted &= rank < math.ceil(float(max_density) * nkb - 1e-9)
     keep_sorted |= rank < min_blocks_per_row
     conn = torch.zeros((nqb, nkb), dtype=torch.bool, device=p.device)
     conn.scatter_(-1, order, keep_sorted)

@@ -55,13 +55,16 @@ def test_gpu_speed_smoke(tmp_path):
     assert res["full"]["finite"]
     assert res["miss"]["model_calls"] == 6
     assert res["miss"]["rel_diff_vs_full"] < 1e-3        # the hooks do not change the computation
-    for key in ("hit_measured", "hit_band"):
+    for key in ("hit_budget", "hit_measured", "hit_band"):
         assert "error" not in res[key], res[key].get("error")
         run = res[key]["runs"][0]
         assert run["resume_step"] == 3 and run["model_calls"] == 2 + 3
         assert run["sparse_attend_calls"] == 3 * 2       # (N - k) steps x 2 blocks ran the cached plan
         assert run["finite"]
     assert 0.2 < res["hit_band"]["density"] < 0.45
+    # the budgeted entry keeps at most ceil(0.3 * 8) blocks a row plus the diagonal: half of the mass-rule one
+    assert res["kernel_budget_block_density"] <= 0.5 < res["kernel_measured_block_density"]
     assert res["overhead"]["store_entries"] >= 5
-    assert {s["case"] for s in res["summary"]} == {"hit, measured connectivity", "hit, band connectivity"}
+    assert {s["case"] for s in res["summary"]} == {"hit, measured, max_density 0.3", "hit, measured, mass rule alone",
+                                                  "hit, band connectivity"}
     assert "| case" in proc.stdout

@@ -147,6 +147,21 @@ def test_select_connectivity_options():
     assert conn[torch.arange(4), torch.arange(4) * 6 // 4].all()
 
 
+def test_select_connectivity_density_budget_caps_near_uniform_rows():
+    # near-uniform attention (random weights) needs ~90 % of the blocks for mass 0.9; the budget caps it
+    g = torch.Generator().manual_seed(3)
+    att = torch.softmax(torch.randn(20, 20, generator=g) * 0.05, dim=-1)
+    assert select_connectivity(att, mass=0.9).float().mean() > 0.8
+    capped = select_connectivity(att, mass=0.9, max_density=0.3)
+    assert bool(capped.diagonal().all())
+    assert bool((capped.sum(-1) <= 6 + 1).all())  # ceil(0.3 * 20) largest blocks, plus the diagonal
+    top = torch.argsort(att, dim=-1, descending=True, stable=True)[:, :6]
+    assert bool(capped.gather(-1, top).all())  # the kept blocks are each row's largest
+    # a concentrated row stays under the budget: the cap never adds blocks
+    peaked = torch.eye(20) * 10 + 0.01
+    assert torch.equal(select_connectivity(peaked, mass=0.9, max_density=0.3), select_connectivity(peaked, mass=0.9))
+
+
 def test_densify_rows_and_cols():
     conn = torch.eye(6, dtype=torch.bool)
     before = conn.clone()
@@ -200,6 +215,9 @@ def test_validation_errors():
     for bad in (0, 0.0, 1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match=r"mass must be in \(0, 1\]"):
             select_connectivity(torch.ones(3, 3) / 3, mass=bad)
+    for bad in (0, 1.01, -1, float("nan"), True):
+        with pytest.raises(ValueError, match=r"max_density must be a number in \(0, 1\]"):
+            select_connectivity(torch.ones(3, 3) / 3, mass=0.5, max_density=bad)
     with pytest.raises(ValueError, match="2-D"):
         select_connectivity(torch.ones(3), mass=0.5)
     with pytest.raises(ValueError, match="torch.bool"):
