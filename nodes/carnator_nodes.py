@@ -15,8 +15,8 @@ from carnator_engine import pipeline
 from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, Decision
 from carnator_engine.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
-from .inputs import (PreparedLatent, check_latent, check_model, check_number, fail, make_config, progress_callback,
-                     prompt_text, send_decision, summary_text, to_json)
+from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, fail,
+                     make_config, progress_callback, prompt_text, send_decision, summary_text, to_json)
 from .stores import open_store
 
 CATEGORY = "Carnator"
@@ -59,6 +59,10 @@ def _request_inputs(probe_steps_default: int = 3) -> dict:
 _HIDDEN = {"unique_id": "UNIQUE_ID", "prompt": "PROMPT"}
 _RISK = (list(RISK_LEVELS), {"default": "balanced",
                              "tooltip": "safe: reuse only close matches, resume early; aggressive: reuse more, resume later."})
+_ATTENTION_DENSITY = ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, "tooltip":
+                                "Budget of the attention connectivity a miss records for later hits: the share of key "
+                                "blocks each query block keeps (its largest). 1 = keep 90 % of the attention mass, "
+                                "however many blocks that takes; 0.3 made a Wan 1.3B-size hit 2.3x faster on an H200."})
 
 
 @dataclass
@@ -280,6 +284,7 @@ class CarnatorTrajectoryResume:
                              "sparse_attention": ("BOOLEAN", {"default": True, "tooltip":
                                                   "Resume with the cached block-sparse attention (dense where the "
                                                   "request differs)."})},
+                "optional": {"attention_density": _ATTENTION_DENSITY},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     RETURN_TYPES = ("LATENT", "STRING")
@@ -287,7 +292,7 @@ class CarnatorTrajectoryResume:
     FUNCTION = "resume"
     CATEGORY = CATEGORY
 
-    def resume(self, cache, probe, decision, sparse_attention, unique_id=None):
+    def resume(self, cache, probe, decision, sparse_attention, attention_density=1.0, unique_id=None):
         node = "Carnator Trajectory Resume"
         store = _check_store(node, cache)
         bundle = _check_probe(node, probe)
@@ -297,7 +302,8 @@ class CarnatorTrajectoryResume:
         if decision.decision.reuse and decision.directory != store.directory:
             raise fail(node, "cache", f"is {store.directory!r} but the decision reuses an entry of "
                                       f"{decision.directory!r}: connect the same Carnator Cache to Lookup and Resume")
-        config = dataclasses.replace(decision.config, sparse_attention=bool(sparse_attention))
+        config = dataclasses.replace(decision.config, sparse_attention=bool(sparse_attention),
+                                     max_density=check_attention_density(node, attention_density))
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed)
         summary = result.summary()
@@ -316,7 +322,7 @@ class CarnatorSampler:
         inputs = {"model": inputs.pop("model"), "cache": ("CARNATOR_CACHE",), **inputs}
         inputs["risk"] = _RISK
         inputs["sparse_attention"] = ("BOOLEAN", {"default": True})
-        return {"required": inputs, "hidden": dict(_HIDDEN)}
+        return {"required": inputs, "optional": {"attention_density": _ATTENTION_DENSITY}, "hidden": dict(_HIDDEN)}
 
     RETURN_TYPES = ("LATENT", "STRING")
     RETURN_NAMES = ("latent", "summary_json")
@@ -324,10 +330,11 @@ class CarnatorSampler:
     CATEGORY = CATEGORY
 
     def sample(self, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-               probe_steps, risk, sparse_attention, unique_id=None, prompt=None):
+               probe_steps, risk, sparse_attention, attention_density=1.0, unique_id=None, prompt=None):
         node = "Carnator Sampler"
         store = _check_store(node, cache)
-        config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention)
+        config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention,
+                             max_density=check_attention_density(node, attention_density))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
                                          sampler_name, scheduler)
         result = pipeline.generate(runner, noise, runner.sigmas, store, config,

@@ -8,6 +8,7 @@ The engine's default gate thresholds are used throughout (no overrides needed on
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,10 +34,11 @@ def open_cache(comfy, directory, size_gb=1.0):
 
 
 def sample(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
-           risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None):
+           risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
+           attention_density=1.0):
     out = node(comfy, "CarnatorSampler").sample(model, cache, positive, negative, latent, seed, steps, cfg,
                                                   sampler_name, "simple", probe_steps, risk, sparse_attention,
-                                                  unique_id=unique_id, prompt=prompt)
+                                                  attention_density, unique_id=unique_id, prompt=prompt)
     latent_out, summary_json = out["result"]
     summary = json.loads(summary_json)
     assert out["ui"]["text"][0].startswith("Carnator HIT" if summary["reuse"] else "Carnator MISS")
@@ -183,6 +185,21 @@ def test_restart_of_the_process_still_hits(comfy, plugin, counted, conds, latent
     assert report["summary"]["reuse"] and report["summary"]["entry_id"] == miss["stored_as"]
     assert report["summary"]["resume_step"] > PROBE
     assert report["calls"] == PROBE + STEPS - report["summary"]["resume_step"] < STEPS
+
+
+def test_attention_density_budget_reaches_the_stored_connectivity(comfy, plugin, counted, conds, latent, tmp_path):
+    positive, negative = conds
+    densities = {}
+    for budget in (1.0, 0.25):
+        cache = open_cache(comfy, tmp_path / f"cache{budget}")
+        _, miss = sample(comfy, counted.model, cache, positive, negative, latent, attention_density=budget)
+        tables = cache.trajectory(cache.record(miss["stored_as"])).connectivity
+        rows = [t for name, t in tables.items() if name != "block_size"]
+        assert rows
+        densities[budget] = max(float(t.float().mean()) for t in rows)
+        blocks = rows[0].shape[1]
+        assert all(int(t.sum(-1).max()) <= math.ceil(budget * blocks) + 1 for t in rows)  # + the diagonal
+    assert densities[0.25] < densities[1.0]
 
 
 def test_very_different_conditioning_is_rejected(comfy, plugin, counted, conds, latent, tmp_path):
@@ -332,6 +349,11 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     bad_sample(r"input 'sampler_name': unknown sampler_name 'euler_typo'", sampler_name="euler_typo")
     bad_sample(r"input 'cfg': cfg=nan is not a finite number", cfg=float("nan"))
     bad_sample(r"input 'risk': unknown risk level 'reckless'", risk="reckless")
+    for density in (0.0, 1.5):
+        bad_sample(rf"input 'attention_density': attention_density={density} must be in \(0, 1\]",
+                   attention_density=density)
+    bad_sample(r"input 'attention_density': attention_density=nan is not a finite number",
+               attention_density=float("nan"))
 
     hunyuan = types.SimpleNamespace(model=type("HunyuanVideo", (), {"diffusion_model": None})())
     bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideo .*joint", model=hunyuan)
