@@ -96,7 +96,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
             else:
                 config = CarnatorConfig(probe_steps=args.probe_steps, risk=args.risk, block_size=64,
                                         localize=method != "carnator_no_localize",
-                                        sparse_attention=method != "carnator_dense")
+                                        sparse_attention=method != "carnator_dense", max_density=args.max_density)
                 result = generate(runner, noise, sigmas, store, config, request.prompt, request.seed)
                 latent, reused, calls = result.latent, result.decision.reuse, result.model_calls
                 resume = result.decision.resume_step
@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-steps", type=int, default=3)
     parser.add_argument("--risk", default="balanced", choices=("safe", "balanced", "aggressive"))
     parser.add_argument("--guidance", type=float, default=DEMO_GUIDANCE)
+    parser.add_argument("--max-density", type=float, default=1.0,
+                        help="connectivity budget of Carnator's entries (CarnatorConfig.max_density)")
     parser.add_argument("--text-threshold", type=float, default=0.90,
                         help="cosine above which the text baseline reuses (prompts of one edit score 0.93-0.99)")
     parser.add_argument("--text-resume-step", type=int, default=10)
