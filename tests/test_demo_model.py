@@ -1,3 +1,5 @@
+import hashlib
+import json
 import os
 
 import pytest
@@ -5,6 +7,7 @@ import torch
 
 from carnator_engine.backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT, load_tiny_dit, tokenize
 from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, world
+from carnator_engine.demo import train
 from carnator_engine.demo.train import combination_index, prompt_tokens, sample_clips
 from carnator_engine.euler import TinyDiTRunner
 from carnator_engine.observer import GenerationObserver
@@ -71,3 +74,16 @@ def test_demo_model_generates_what_the_prompt_asks():
     for name in world.ATTRIBUTES:
         assert scores[name] >= floors[name], (name, scores)
     assert sum(scores[name] for name in world.ATTRIBUTES) / len(world.ATTRIBUTES) >= 0.8, scores
+
+
+@needs_weights
+def test_training_from_earlier_weights_records_them(tmp_path):
+    out = tmp_path / "t.safetensors"
+    train.main(["--smoke", "--device", "cpu", "--init", DEMO_WEIGHTS, "--out", str(out),
+                "--json", str(tmp_path / "t.json")])
+    report = json.loads((tmp_path / "t.json").read_text())
+    with open(DEMO_WEIGHTS, "rb") as handle:
+        digest = hashlib.sha256(handle.read()).hexdigest()
+    assert report["initialized_from"]["weights"] == DEMO_WEIGHTS
+    assert report["initialized_from"]["sha256"] == digest     # which weights this run continued
+    assert out.stat().st_size > 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import math
 import os
@@ -149,11 +150,13 @@ def main(argv=None) -> int:
         if config.vocabulary != list(world.VOCABULARY):
             raise ValueError(f"{args.init} was trained on another vocabulary than this world's")
         args.dim, args.layers, args.heads = config.dim, config.layers, config.heads
+        with open(args.init, "rb") as handle:
+            earlier_stage = {"weights": args.init, "sha256": hashlib.sha256(handle.read()).hexdigest()}
         stage_json = os.path.splitext(args.init)[0] + ".json"
         if os.path.exists(stage_json):
             with open(stage_json) as handle:
                 earlier = json.load(handle)
-            earlier_stage = {k: earlier.get(k) for k in ("training", "command", "accuracy", "recommended_guidance")}
+            earlier_stage.update({k: earlier.get(k) for k in ("training", "command", "accuracy", "recommended_guidance")})
         _log(f"initialised from {args.init}")
     else:
         config = TinyDiTConfig(vocabulary=list(world.VOCABULARY), dim=args.dim, layers=args.layers, heads=args.heads)
