@@ -30,6 +30,9 @@ class GatePolicy:
     max_target_fraction: float   # beyond this share of the clip, regenerating is the honest choice
     max_resume_fraction: float   # the furthest resume step, as a share of all steps
     min_saved_steps: int = 2     # a hit must save at least this many model calls
+    # One model call midway (on the cached latent with the target region jumped there) re-estimates the
+    # target region before its jump to k: one long jump from the probe freezes a blurry early estimate.
+    refine_target: bool = True
 
     def validate(self) -> "GatePolicy":
         checks = {"max_hidden": (0, 2), "max_attention": (0, 1), "max_context": (0, 10),
@@ -39,6 +42,8 @@ class GatePolicy:
             if not (low < value <= high) or math.isnan(value):
                 raise ValueError(f"gate setting {name}={value} is outside ({low}, {high}]: "
                                  "use a value in that range or pick a risk level preset")
+        if not isinstance(self.refine_target, bool):
+            raise ValueError(f"refine_target must be True or False, got {self.refine_target!r}")
         if self.min_saved_steps < 1:
             raise ValueError(f"min_saved_steps must be >= 1, got {self.min_saved_steps}")
         return self
@@ -76,10 +81,11 @@ class Decision:
     target_cells: Optional[torch.Tensor] = None  # [Tg, Hg, Wg] bool, recomputed from the request's own state
     numbers: dict = field(default_factory=dict)
     reasons: list = field(default_factory=list)
+    refine_step: Optional[int] = None     # the midway step whose model call re-estimates the target region
 
     @property
     def model_calls(self) -> int:
-        return self.probe_steps + self.steps - self.resume_step
+        return self.probe_steps + self.steps - self.resume_step + (self.refine_step is not None)
 
     @property
     def expected_speedup(self) -> float:
@@ -87,13 +93,20 @@ class Decision:
 
     def summary(self) -> dict:
         return {"reuse": self.reuse, "risk": self.risk, "entry_id": self.entry_id, "steps": self.steps,
-                "probe_steps": self.probe_steps, "resume_step": self.resume_step,
+                "probe_steps": self.probe_steps, "resume_step": self.resume_step, "refine_step": self.refine_step,
                 "model_calls": self.model_calls, "expected_speedup": round(self.expected_speedup, 3),
                 "numbers": self.numbers, "reasons": self.reasons}
 
 
+def _refine_step(checkpoints, probe_steps: int, resume: int) -> Optional[int]:
+    """The entry's checkpoint nearest the middle of (probe_steps, resume), if there is one."""
+    inside = [s for s in checkpoints if probe_steps < s < resume]
+    middle = (probe_steps + resume) / 2
+    return min(inside, key=lambda s: (abs(s - middle), s)) if inside else None
+
+
 def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
-    """Returns (resume_step or None, target cells, numbers, reasons) for one candidate."""
+    """Returns (resume_step or None, refine step or None, target cells, numbers, reasons) for one candidate."""
     distance = candidate.distance
     cells = target_cells(distance.cell_map, policy.cell_threshold)
     fraction = cells.float().mean().item()
@@ -109,19 +122,22 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
         verdict = "over" if value > limit else "within"
         reasons.append(f"{label}: {value:.4f} {verdict} limit {limit:.4f}")
     if any(value > limit for _, value, limit in limits):
-        return None, cells, numbers, reasons
+        return None, None, cells, numbers, reasons
     risk = max(value / limit for _, value, limit in limits[:3])
     furthest = int(policy.max_resume_fraction * steps)
     wanted = probe_steps + int((furthest - probe_steps) * (1.0 - risk))
-    available = [s for s in candidate.record.checkpoint_steps if probe_steps < s <= wanted]
-    if not available or max(available) - probe_steps < policy.min_saved_steps:
+    checkpoints = candidate.record.checkpoint_steps
+    available = [s for s in checkpoints if probe_steps < s <= wanted]
+    resume = max(available, default=probe_steps)
+    refine = _refine_step(checkpoints, probe_steps, resume) if policy.refine_target and bool(cells.any()) else None
+    if resume - probe_steps - (refine is not None) < policy.min_saved_steps:
         reasons.append(f"no checkpoint between step {probe_steps + policy.min_saved_steps} and step {wanted} "
                        "in this entry: too little to save")
-        return None, cells, numbers, reasons
-    resume = max(available)
+        return None, None, cells, numbers, reasons
     numbers["risk_score"] = round(risk, 4)
-    reasons.append(f"risk {risk:.2f} of the limit: resume at step {resume} of {steps}")
-    return resume, cells, numbers, reasons
+    reasons.append(f"risk {risk:.2f} of the limit: resume at step {resume} of {steps}"
+                   + (f", target region re-estimated at step {refine}" if refine is not None else ""))
+    return resume, refine, cells, numbers, reasons
 
 
 def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, risk: str = "custom") -> Decision:
@@ -131,12 +147,15 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
                         reasons=["no earlier generation of this model, shape and schedule is in the cache"])
     best, rejected = None, []
     for candidate in candidates:
-        resume, cells, numbers, reasons = _assess(candidate, policy, steps, probe_steps)
+        resume, refine, cells, numbers, reasons = _assess(candidate, policy, steps, probe_steps)
         if resume is None:
             rejected.append((candidate.record.entry_id, numbers, reasons))
-        elif best is None or resume > best.resume_step:
-            best = Decision(True, risk, steps, probe_steps, resume, candidate.record.entry_id, cells, numbers,
-                            [f"reuse entry {candidate.record.entry_id} ('{candidate.record.prompt}')"] + reasons)
+            continue
+        decision = Decision(True, risk, steps, probe_steps, resume, candidate.record.entry_id, cells, numbers,
+                            [f"reuse entry {candidate.record.entry_id} ('{candidate.record.prompt}')"] + reasons,
+                            refine)
+        if best is None or decision.model_calls < best.model_calls:
+            best = decision
     if best is not None:
         return best
     entry_id, numbers, reasons = rejected[0]

@@ -144,11 +144,16 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
         target = latent_mask(decision.target_cells, fhw)
     else:
         target = torch.zeros(tuple(fhw), dtype=torch.bool)
-    x = resume_latent(probed.latent, probed.denoised, float(probed.sigmas[probed.probe_steps]),
-                      float(probed.sigmas[k]), payload.checkpoints[k], target)
     if config.sparse_attention and payload.connectivity:
         observer.sparse = plan_from_tensors(payload.connectivity, runner.layout.tokens_from_latent_mask(target))
-    latent = runner.run(x, probed.sigmas, k, steps, observer)
+    sigmas = probed.sigmas
+    own, denoised, at = probed.latent, probed.denoised, probed.probe_steps
+    if decision.refine_step is not None:
+        m = decision.refine_step
+        x = resume_latent(own, denoised, float(sigmas[at]), float(sigmas[m]), payload.checkpoints[m], target)
+        own, denoised, at = runner.run(x, sigmas, m, m + 1, observer), observer.last_denoised, m + 1
+    x = resume_latent(own, denoised, float(sigmas[at]), float(sigmas[k]), payload.checkpoints[k], target)
+    latent = runner.run(x, sigmas, k, steps, observer)
     store.record_hit(decision.entry_id, steps_saved=steps - decision.model_calls)
     return latent, observer, payload.connectivity
 

@@ -34,6 +34,27 @@ def test_miss_then_hit_saves_model_calls(tiny_model, store):
     assert len(store.records()) == 2  # the hit is written back too
 
 
+def test_hit_with_a_target_region_spends_one_call_re_estimating_it(tiny_model, store, monkeypatch):
+    loose = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, cell_threshold=0.05, max_target_fraction=1.0,
+                 max_resume_fraction=0.9)
+    _run(tiny_model, store, "a red circle moving left", 1, gate_overrides=loose)
+    runs = []
+    original = TinyDiTRunner.run
+
+    def counting_run(self, x, sigmas, start, end, observer):
+        runs.append((start, end))
+        return original(self, x, sigmas, start, end, observer)
+
+    monkeypatch.setattr(TinyDiTRunner, "run", counting_run)
+    hit = _run(tiny_model, store, "a red circle moving left", 2, gate_overrides=loose)  # other noise
+    decision = hit.decision
+    assert decision.reuse and decision.target_cells.any() and decision.refine_step is not None
+    m, k = decision.refine_step, decision.resume_step
+    assert 2 < m < k
+    assert runs == [(0, 2), (m, m + 1), (k, 12)]            # probe, the refine call, the rest
+    assert hit.model_calls == 2 + 1 + 12 - k == decision.model_calls
+
+
 def test_hit_survives_reopening_the_store(tiny_model, tmp_path):
     directory = str(tmp_path / "cache")
     first_store = CarnatorStore(directory, 64 << 20)
