@@ -237,7 +237,7 @@ class CarnatorCompatibilityGate:
                                                 "for balanced)"}) for name in _OVERRIDES}
         optional["min_saved_steps"] = ("INT", {"default": 0, "min": 0, "max": 10000,
                                                "tooltip": "0 = preset: a hit must save at least this many steps."})
-        optional["refine_target"] = ("BOOLEAN", {"default": True, "tooltip":
+        optional["refine_target"] = ("BOOLEAN", {"default": False, "tooltip":
                                      "Spend one model call midway re-estimating the region that differs from the "
                                      "cached generation, instead of extrapolating it from the probe."})
         return {"required": {"probe": ("CARNATOR_PROBE",), "matches": ("CARNATOR_MATCHES",), "risk": _RISK},
@@ -254,7 +254,7 @@ class CarnatorCompatibilityGate:
         _expect(node, "matches", matches, MatchesBundle, "Carnator Signature Cache Lookup")
         if matches.probe_token != bundle.token:
             raise fail(node, "matches", "comes from another probe: feed the Signature Cache Lookup with this probe")
-        overrides = {"refine_target": bool(thresholds.pop("refine_target", True))}
+        overrides = {"refine_target": bool(thresholds.pop("refine_target", False))}
         for name, value in thresholds.items():
             if name not in _OVERRIDES and name != "min_saved_steps":
                 continue

@@ -36,7 +36,7 @@ def test_miss_then_hit_saves_model_calls(tiny_model, store):
 
 def test_hit_with_a_target_region_spends_one_call_re_estimating_it(tiny_model, store, monkeypatch):
     loose = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, cell_threshold=0.05, max_target_fraction=1.0,
-                 max_resume_fraction=0.9)
+                 max_resume_fraction=0.9, refine_target=True)
     _run(tiny_model, store, "a red circle moving left", 1, gate_overrides=loose)
     runs = []
     original = TinyDiTRunner.run
