@@ -84,11 +84,19 @@ def parse_args(argv=None):
 
 # ---- host --------------------------------------------------------------------------------------
 
-def find_comfyui(explicit):
+def comfyui_checkout(explicit=None):
+    """The first ComfyUI checkout (holding comfy/) of --comfyui, $COMFYUI_PATH, .host/ComfyUI, /opt/ComfyUI."""
     for path in (explicit, os.environ.get("COMFYUI_PATH"), os.path.join(ROOT, ".host", "ComfyUI"), "/opt/ComfyUI"):
         if path and os.path.isfile(os.path.join(path, "comfy", "model_base.py")):
             return os.path.abspath(path)
-    raise SystemExit("gpu_speed: no ComfyUI checkout found (--comfyui, $COMFYUI_PATH, .host/ComfyUI, /opt/ComfyUI)")
+    return None
+
+
+def find_comfyui(explicit):
+    path = comfyui_checkout(explicit)
+    if path is None:
+        raise SystemExit("gpu_speed: no ComfyUI checkout found (--comfyui, $COMFYUI_PATH, .host/ComfyUI, /opt/ComfyUI)")
+    return path
 
 
 def import_comfy(path, cpu):
@@ -510,8 +518,9 @@ def run(args):
         miss_s = median([res["miss"]["seconds"], res["miss_budget"]["seconds"]])
         save()
 
+        recorded = {}
         for name, entry_store, entry in (("measured", store, miss), ("budget", budget_store, budget_miss)):
-            tables = entry_store.trajectory(entry_store.record(entry.entry_id)).connectivity
+            tables = recorded[name] = entry_store.trajectory(entry_store.record(entry.entry_id)).connectivity
             first = sorted(table for table in tables if table != "block_size")[0]
             entry_plan = sa.BlockSparseAttention({0: tables[first].bool()}, block_size=block_size, seq_len=tokens)
             label = f"sparse_{name}_block{first}_d{entry_plan.mean_density():.3f}"
@@ -554,12 +563,11 @@ def run(args):
         # q/k/v layout); its time is what the first hit in a fresh process pays once --
         from carnator_engine.connectivity import plan_from_tensors
         from carnator_engine.observer import GenerationObserver
-        tables = budget_store.trajectory(budget_store.record(budget_miss.entry_id)).connectivity
         no_target = torch.zeros(tokens, dtype=torch.bool)
         sync()
         t = time.perf_counter()
         runner.run(noise * float(sigmas[n - 2]), sigmas, n - 2, n,
-                   GenerationObserver(sparse=plan_from_tensors(tables, no_target)))
+                   GenerationObserver(sparse=plan_from_tensors(recorded["budget"], no_target)))
         sync()
         res["sparse_path_warmup_s"] = time.perf_counter() - t
         log(f"warm-up sparse path through the model (2 steps) {res['sparse_path_warmup_s']:.1f} s")

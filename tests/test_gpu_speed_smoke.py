@@ -6,6 +6,7 @@ the test guards the script's plumbing (ComfyRunner + pipeline miss, hits, overhe
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,10 +20,11 @@ BUDGET_S = 20
 
 
 def _comfyui():
-    for path in (os.environ.get("COMFYUI_PATH"), os.path.join(ROOT, ".host", "ComfyUI"), "/opt/ComfyUI"):
-        if path and os.path.isfile(os.path.join(path, "comfy", "model_base.py")):
-            return path
-    return None
+    """Where the script itself would find ComfyUI (its own lookup, so the two never disagree)."""
+    spec = importlib.util.spec_from_file_location("gpu_speed", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.comfyui_checkout()
 
 
 def _skip_reason():
