@@ -21,6 +21,7 @@ the same request without reuse, attribute accuracy (read back from pixels) and w
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -159,6 +160,26 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
     return rows
 
 
+def reference_key(args) -> dict:
+    """Everything the no_reuse generations depend on."""
+    with open(args.weights, "rb") as handle:
+        weights = hashlib.sha256(handle.read()).hexdigest()
+    return {"weights": weights, **{name: getattr(args, name) for name in
+                                   ("stream", "restart_every", "fixed_seed", "pairs", "steps", "guidance", "seed")}}
+
+
+def load_reference(path, key):
+    """The no_reuse rows and clips saved by an earlier run with the same key, else None."""
+    if not path or not os.path.exists(path):
+        return None
+    saved = torch.load(path, weights_only=True)
+    if saved.get("key") != key:
+        print(f"{path} holds generations of other weights or requests: regenerating", file=sys.stderr)
+        return None
+    clips = {(prompt, int(seed)): clip for (prompt, seed), clip in saved["clips"].items()}
+    return {"rows": tuple(saved["rows"]), "clips": clips}
+
+
 def summarize(rows, steps, reference_rows):
     rows_scored = list(zip(rows, reference_rows))
     n = len(rows_scored)
@@ -205,16 +226,18 @@ def main(argv=None) -> int:
                         help="own_jump's stops (no cache): e.g. 11 (one jump) or 7,11 (a model call at 7)")
     parser.add_argument("--methods", default="no_reuse,text_similarity,carnator,carnator_no_localize,carnator_dense")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reference-cache", help="file keeping the no_reuse generations between runs of the same "
+                        "weights, requests and sampling (written when missing or stale, read otherwise)")
     parser.add_argument("--out", default="benchmarks/out/quality.json")
     args = parser.parse_args(argv)
-    if not 1 <= args.text_resume_step < args.steps:
-        parser.error(f"--text-resume-step must be in [1, {args.steps - 1}]")
-    if args.jump_path != sorted(set(args.jump_path)) or not args.probe_steps < args.jump_path[0] \
-            or args.jump_path[-1] >= args.steps:
-        parser.error(f"--jump-path must be increasing steps between {args.probe_steps + 1} and {args.steps - 1}")
     methods = args.methods.split(",")
     if methods[0] != "no_reuse":
         parser.error("--methods must start with no_reuse: it is the fidelity reference")
+    if "text_similarity" in methods and not 1 <= args.text_resume_step < args.steps:
+        parser.error(f"--text-resume-step must be in [1, {args.steps - 1}]")
+    if "own_jump" in methods and (args.jump_path != sorted(set(args.jump_path))
+                                  or not args.probe_steps < args.jump_path[0] or args.jump_path[-1] >= args.steps):
+        parser.error(f"--jump-path must be increasing steps between {args.probe_steps + 1} and {args.steps - 1}")
 
     torch.manual_seed(args.seed)
     model = load_tiny_dit(args.weights)
@@ -233,13 +256,22 @@ def main(argv=None) -> int:
     pair_requests = [request for pair in pairs for request in pair]
     reference, results = {}, {"iteration_stream": {}, "adversarial_pairs": {}}
     rows_by_method = {}
+    cached_reference = load_reference(args.reference_cache, reference_key(args))
     for method in methods:
         started = time.perf_counter()
+        if method == "no_reuse" and cached_reference is not None:
+            reference.update(cached_reference["clips"])
+            rows_by_method[method] = cached_reference["rows"]
+            print(f"{method}: read from {args.reference_cache}", file=sys.stderr)
+            continue
         stream_rows = run_method(method, stream, model, sigmas, args, text_encoder, reference)
         pair_rows = run_method(method, pair_requests, model, sigmas, args, text_encoder, reference,
                                fresh_cache_each=[list(pair) for pair in pairs])
         rows_by_method[method] = (stream_rows, pair_rows)
         print(f"{method}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        if method == "no_reuse" and args.reference_cache:
+            torch.save({"key": reference_key(args), "rows": rows_by_method[method], "clips": reference},
+                       args.reference_cache)
     ref_stream, ref_pairs = rows_by_method["no_reuse"]
     second = lambda rows: rows[1::2]  # noqa: E731  only the second request of a pair meets its adversary
     for method, (stream_rows, pair_rows) in rows_by_method.items():

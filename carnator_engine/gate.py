@@ -25,8 +25,8 @@ RISK_LEVELS = ("safe", "balanced", "aggressive")
 class GatePolicy:
     max_hidden: float            # 1 - cosine of pooled block states
     max_attention: float         # total-variation distance of pooled attention rows
-    max_context: float           # relative x0-hat difference outside the target cells
-    cell_threshold: float        # a cell whose relative x0-hat difference exceeds this is a target cell
+    max_context: float           # x0-hat difference outside the target cells (RMS, noise units)
+    cell_threshold: float        # a cell whose x0-hat difference (noise units) exceeds this is a target cell
     max_target_fraction: float   # beyond this share of the clip, regenerating is the honest choice
     max_resume_fraction: float   # the furthest resume step, as a share of all steps
     min_saved_steps: int = 2     # a hit must save at least this many model calls
@@ -51,7 +51,8 @@ class GatePolicy:
         return self
 
 
-# Thresholds are relative distances, so they carry across backbones. The values were checked in the
+# Thresholds are scale-free (cosines, distribution distances) or in units of the sampler's unit-variance
+# noise, so they carry across backbones. The values were checked in the
 # evaluation world, where the truth of every generated attribute is known: benchmarks/calibrate_gate.py
 # shows each input's distribution per kind of edit, benchmarks/quality.py what each preset costs and saves.
 RISK_POLICIES = {

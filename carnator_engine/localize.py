@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 
 def target_cells(cell_map: torch.Tensor, threshold: float, dilation: int = 1) -> torch.Tensor:
-    """[Tg, Hg, Wg] relative differences -> boolean target cells."""
+    """[Tg, Hg, Wg] x0-hat differences (noise units) -> boolean target cells."""
     if threshold <= 0:
         raise ValueError(f"target cell threshold must be > 0, got {threshold}")
     cells = (cell_map > threshold).float()[None, None]

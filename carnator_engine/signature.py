@@ -95,9 +95,9 @@ class SignatureRecorder:
 @dataclass
 class SignatureDistance:
     hidden: float        # 1 - mean cosine of pooled block states
-    denoised: float      # relative L2 distance of the coarse x0-hat
+    denoised: float      # RMS difference of the coarse x0-hat, in noise units
     attention: float     # mean total-variation distance of attention rows
-    cell_map: torch.Tensor  # [Tg, Hg, Wg] per-cell x0-hat difference, relative to the typical cell norm
+    cell_map: torch.Tensor  # [Tg, Hg, Wg] per-cell RMS x0-hat difference over channels, in noise units
 
     def as_dict(self) -> dict:
         return {"hidden": round(self.hidden, 5), "denoised": round(self.denoised, 5),
@@ -108,10 +108,13 @@ def signature_distance(a: EarlySignature, b: EarlySignature) -> SignatureDistanc
     if not a.compatible_with(b):
         raise ValueError("signatures have different shapes: they come from different models or latent sizes")
     hidden = 1.0 - F.cosine_similarity(a.hidden, b.hidden, dim=-1).mean().item()
+    # Differences are measured against the noise the sampler starts from (unit variance in the latent space
+    # every flow-matching model samples in), not against the clips' own magnitude: a clip near zero (a
+    # mid-gray scene in pixel space, a latent near its channel means) would make every small difference
+    # look large and mark the whole clip as target region.
     diff = a.denoised - b.denoised
-    scale = torch.sqrt(0.5 * (a.denoised.pow(2).mean() + b.denoised.pow(2).mean())).clamp_min(1e-6)
-    denoised = (diff.pow(2).mean().sqrt() / scale).item()
-    cell_map = diff.pow(2).mean(0).sqrt() / scale
+    denoised = diff.pow(2).mean().sqrt().item()
+    cell_map = diff.pow(2).mean(0).sqrt()
     if a.attention.numel():
         attention = 0.5 * (a.attention - b.attention).abs().sum(-1).mean().item()
     else:

@@ -41,6 +41,18 @@ def test_local_difference_becomes_a_target_region():
     assert 0 < cells.float().mean() < 0.5 and not cells[7, 7, 7]
 
 
+def test_a_clip_near_zero_is_localized_like_any_other():
+    # A mid-gray scene in pixel space (or a latent near its channel means) has early estimates near
+    # zero: small seed-to-seed wobble there is not a change, only the object's cells are.
+    wobble = torch.Generator().manual_seed(1)
+    cached = 0.03 * torch.randn(3, 8, 8, 8, generator=wobble)
+    new = 0.03 * torch.randn(3, 8, 8, 8, generator=wobble)
+    new[:, 2:4, 2:4, 2:4] += 1.5
+    decision = decide([_candidate(_sig(new), _sig(cached))], 20, 3, policy_for("balanced"), "balanced")
+    assert decision.reuse, decision.reasons
+    assert decision.target_cells[2:4, 2:4, 2:4].all() and decision.numbers["target_fraction"] < 0.2
+
+
 def test_target_region_is_re_estimated_midway_at_one_model_call():
     edited = BASE.clone()
     edited[:, 2:4, 2:4, 2:4] += 3.0

@@ -1,0 +1,44 @@
+"""A few requests through benchmarks/quality.py with the shipped demo weights: the script's plumbing
+(methods, summary, JSON) and its reference cache, which must give the numbers a fresh run gives."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _quality_script():
+    spec = importlib.util.spec_from_file_location("quality", os.path.join(ROOT, "benchmarks", "quality.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
+    quality = _quality_script()
+    common = ["--stream", "3", "--restart-every", "3", "--pairs", "1", "--steps", "8", "--probe-steps", "2",
+              "--methods", "no_reuse,carnator", "--reference-cache", str(tmp_path / "reference.pt")]
+    assert quality.main(common + ["--out", str(tmp_path / "first.json")]) == 0
+    assert (tmp_path / "reference.pt").exists()
+    assert quality.main(common + ["--out", str(tmp_path / "second.json")]) == 0
+    first, second = (json.loads((tmp_path / name).read_text()) for name in ("first.json", "second.json"))
+    timeless = lambda report: {kind: {method: {k: v for k, v in summary.items() if k != "seconds_per_request"}  # noqa: E731
+                                      for method, summary in table.items()}
+                               for kind, table in report["results"].items()}
+    assert timeless(first) == timeless(second)
+    stream = first["results"]["iteration_stream"]
+    assert stream["no_reuse"]["model_calls_saved"] == 0 and stream["no_reuse"]["psnr"] == 100.0
+    assert set(first["rows"]["carnator"]["stream"][0]) >= {"reused", "model_calls", "read", "psnr"}
+
+
+def test_a_stale_reference_cache_is_regenerated(tmp_path, capsys):
+    quality = _quality_script()
+    common = ["--stream", "2", "--restart-every", "2", "--pairs", "1", "--steps", "6", "--probe-steps", "2",
+              "--methods", "no_reuse", "--reference-cache", str(tmp_path / "reference.pt")]
+    assert quality.main(common + ["--out", str(tmp_path / "a.json")]) == 0
+    assert quality.main(common + ["--guidance", "1.5", "--out", str(tmp_path / "b.json")]) == 0
+    assert "holds generations of other weights or requests: regenerating" in capsys.readouterr().err
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["args"]["guidance"] == 1.5 and b["results"]["iteration_stream"]["no_reuse"]["requests"] == 2
