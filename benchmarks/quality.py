@@ -147,7 +147,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
                 resume = result.decision.resume_step
                 numbers = result.decision.numbers
             seconds = time.perf_counter() - started
-            clip = latent[0].clamp(-1, 1)
+            clip = latent[0].clamp(-1, 1).cpu()
             key = (request.prompt, request.seed)
             if method == "no_reuse":
                 reference[key] = clip
@@ -226,6 +226,7 @@ def main(argv=None) -> int:
                         help="own_jump's stops (no cache): e.g. 11 (one jump) or 7,11 (a model call at 7)")
     parser.add_argument("--methods", default="no_reuse,text_similarity,carnator,carnator_no_localize,carnator_dense")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the demo model runs (cpu, cuda)")
     parser.add_argument("--reference-cache", help="file keeping the no_reuse generations between runs of the same "
                         "weights, requests and sampling (written when missing or stale, read otherwise)")
     parser.add_argument("--out", default="benchmarks/out/quality.json")
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
         parser.error(f"--jump-path must be increasing steps between {args.probe_steps + 1} and {args.steps - 1}")
 
     torch.manual_seed(args.seed)
-    model = load_tiny_dit(args.weights)
+    model = load_tiny_dit(args.weights, args.device)
     sigmas = flow_sigmas(args.steps)
     text_encoder = None
     if "text_similarity" in methods:
@@ -279,6 +280,8 @@ def main(argv=None) -> int:
         results["adversarial_pairs"][method] = summarize(second(pair_rows), args.steps, second(ref_pairs))
 
     machine = f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}"
+    if model.frame_pos.is_cuda:
+        machine = f"{torch.cuda.get_device_name(model.frame_pos.device)}, {machine}"
     report = {"machine": machine, "args": vars(args), "results": results,
               "rows": {m: {"stream": s, "pairs": p} for m, (s, p) in rows_by_method.items()}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -22,9 +22,12 @@ import urllib.request
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMFYUI = os.path.abspath(os.environ.get("COMFYUI_PATH", "/opt/ComfyUI"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "host"))
+import hostsetup  # noqa: E402  (one place says where the host is and how the plugin folder is named)
+
+COMFYUI = hostsetup.comfyui_path()
 PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
-PLUGIN_DIR_NAME = "carnator"
+PLUGIN_DIR_NAME = hostsetup.PLUGIN_DIR_NAME
 
 
 def skip_reason() -> Optional[str]:

@@ -43,8 +43,8 @@ def test_plugin_loaded_with_its_web_directory(host):
     server, _, _ = host
     status, extensions = server.json("GET", "/api/extensions")
     assert status == 200
-    assert "/extensions/carnator/carnator.js" in extensions, server.log()[-3000:]
-    status, content_type, body = server.request("GET", "/extensions/carnator/carnator.js")
+    assert f"/extensions/{comfy_host.PLUGIN_DIR_NAME}/carnator.js" in extensions, server.log()[-3000:]
+    status, content_type, body = server.request("GET", f"/extensions/{comfy_host.PLUGIN_DIR_NAME}/carnator.js")
     assert status == 200 and b"registerExtension" in body and "javascript" in content_type
 
 

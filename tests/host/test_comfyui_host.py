@@ -207,7 +207,7 @@ def test_very_different_conditioning_is_rejected(comfy, plugin, counted, conds, 
     cache = open_cache(comfy, tmp_path / "cache")
     _, miss = sample(comfy, counted.model, cache, positive, negative, latent)
     counted.take()
-    other = hostsetup.conditioning(99)
+    other = hostsetup.conditioning(99, scale=3.0)   # random weights answer a stronger difference
     _, summary = sample(comfy, counted.model, cache, other, negative, latent)
     assert not summary["reuse"] and counted.take() == STEPS
     assert summary["reasons"][0] == f"nearest entry {miss['stored_as']} rejected"

@@ -1,0 +1,89 @@
+"""Every quality run that benchmarks/RESULTS.md reports, in parallel: `quality.py` once per configuration
+and seed habit, writing benchmarks/results/quality_<name>[_fixed_seed].json (or --out-dir).
+
+The two `balanced` runs go first: they generate the no-reuse references (and the text baseline), which the
+other runs read from a reference cache instead of generating them again.
+
+    python benchmarks/quality_suite.py --jobs 2                      # CPU: about an hour on 2 cores
+    python benchmarks/quality_suite.py --device cuda --jobs 12 --out-dir $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COMMON = ["--stream", "60", "--pairs", "16"]
+LOOSE = "max_target_fraction=1.0,max_resume_fraction=0.6"
+
+# name -> quality.py arguments; each runs with a fresh seed per request and with one seed per session.
+RUNS = {
+    "balanced": ["--methods", "no_reuse,text_similarity,carnator,carnator_no_localize,carnator_dense"],
+    "safe": ["--risk", "safe", "--methods", "no_reuse,carnator"],
+    "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
+    "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
+    "refine": ["--methods", "no_reuse,carnator,carnator_refine"],
+    "refine_loose_gate": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65",
+                          "--methods", "no_reuse,carnator,carnator_refine"],
+    "budget03": ["--max-density", "0.3", "--methods", "no_reuse,carnator,carnator_dense"],
+    "own_jump_11": ["--methods", "no_reuse,own_jump", "--jump-path", "11"],
+    "own_jump_7_11": ["--methods", "no_reuse,own_jump", "--jump-path", "7,11"],
+    "own_jump_7_13": ["--methods", "no_reuse,own_jump", "--jump-path", "7,13"],
+}
+FIRST = ("balanced",)
+
+
+def command(name: str, fixed_seed: bool, args) -> tuple:
+    label = name + ("_fixed_seed" if fixed_seed else "")
+    reference = os.path.join(args.reference_dir, f"quality_reference{'_fixed_seed' if fixed_seed else ''}.pt")
+    argv = [sys.executable, os.path.join(HERE, "quality.py"), *COMMON, *RUNS[name],
+            "--device", args.device, "--reference-cache", reference,
+            "--out", os.path.join(args.out_dir, f"quality_{label}.json")]
+    return label, argv + (["--fixed-seed"] if fixed_seed else [])
+
+
+def run(label: str, argv: list, out_dir: str) -> tuple:
+    started = time.perf_counter()
+    with open(os.path.join(out_dir, f"quality_{label}.log"), "w") as log:
+        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              cwd=os.path.dirname(HERE)).returncode
+    print(f"{label}: exit {code} after {time.perf_counter() - started:.0f} s", flush=True)
+    return label, code
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--reference-dir", default=os.path.join(HERE, "out"),
+                        help="where the no-reuse generations are kept between runs (quality.py --reference-cache)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--only", help="comma-separated run names (default: all of " + ", ".join(RUNS) + ")")
+    args = parser.parse_args(argv)
+    names = args.only.split(",") if args.only else list(RUNS)
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        parser.error(f"unknown run(s) {', '.join(unknown)}: choose from {', '.join(RUNS)}")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
+    os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(args.reference_dir, exist_ok=True)
+    stages = [[n for n in names if n in FIRST], [n for n in names if n not in FIRST]]
+    failed = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for stage in stages:
+            jobs = [command(name, fixed, args) for name in stage for fixed in (False, True)]
+            for label, code in pool.map(lambda job: run(*job, args.out_dir), jobs):
+                if code:
+                    failed.append(label)
+    if failed:
+        print(f"failed: {', '.join(failed)} (see quality_<name>.log in {args.out_dir})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
