@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .localize import TargetSettling, target_cells
+from .localize import target_cells
 
 RISK_LEVELS = ("safe", "balanced", "aggressive")
 
@@ -30,9 +30,6 @@ class GatePolicy:
     max_target_fraction: float   # beyond this share of the clip, regenerating is the honest choice
     max_resume_fraction: float   # the furthest resume step, as a share of all steps
     min_saved_steps: int = 2     # a hit must save at least this many model calls
-    # The furthest a target region may be jumped from the probe's estimate: the predicted drift of that jump
-    # (TargetSettling.drift, noise units) must stay within this. Infinite: only the risk score limits the jump.
-    max_target_drift: float = math.inf
     # One model call midway (on the cached latent with the target region jumped there) re-estimates the
     # target region before its jump to k, instead of one long jump from the probe's blurry estimate.
     # Off by default: in the evaluation world it raised PSNR by 1-5 dB but did not reduce wrong accepts,
@@ -47,8 +44,6 @@ class GatePolicy:
             if not (low < value <= high) or math.isnan(value):
                 raise ValueError(f"gate setting {name}={value} is outside ({low}, {high}]: "
                                  "use a value in that range or pick a risk level preset")
-        if not self.max_target_drift > 0:
-            raise ValueError(f"gate setting max_target_drift={self.max_target_drift} must be > 0 (inf: no limit)")
         if not isinstance(self.refine_target, bool):
             raise ValueError(f"refine_target must be True or False, got {self.refine_target!r}")
         if self.min_saved_steps < 1:
@@ -113,7 +108,7 @@ def _refine_step(checkpoints, probe_steps: int, resume: int) -> Optional[int]:
     return min(inside, key=lambda s: (abs(s - middle), s)) if inside else None
 
 
-def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int, settling: Optional[TargetSettling]):
+def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
     """Returns (resume_step or None, refine step or None, target cells, numbers, reasons) for one candidate."""
     distance = candidate.distance
     cells = target_cells(distance.cell_map, policy.cell_threshold)
@@ -136,17 +131,7 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int, settlin
     wanted = probe_steps + int((furthest - probe_steps) * (1.0 - risk))
     checkpoints = candidate.record.checkpoint_steps
     available = [s for s in checkpoints if probe_steps < s <= wanted]
-    jumps_from_probe = settling is not None and not policy.refine_target and bool(cells.any())
-    if jumps_from_probe:
-        settled = [s for s in available if settling.drift(cells, s) <= policy.max_target_drift]
-        if len(settled) < len(available):
-            reasons.append(f"target region still settling: a jump past step {max(settled, default=probe_steps)} "
-                           f"would drift {settling.drift(cells, max(available)):.3f} at step {max(available)} "
-                           f"(limit {policy.max_target_drift:.3f})")
-        available = settled
     resume = max(available, default=probe_steps)
-    if jumps_from_probe:
-        numbers["target_drift"] = round(settling.drift(cells, resume), 5)
     refine = _refine_step(checkpoints, probe_steps, resume) if policy.refine_target and bool(cells.any()) else None
     if resume - probe_steps - (refine is not None) < policy.min_saved_steps:
         reasons.append(f"no checkpoint between step {probe_steps + policy.min_saved_steps} and step {wanted} "
@@ -158,16 +143,14 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int, settlin
     return resume, refine, cells, numbers, reasons
 
 
-def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, risk: str = "custom",
-           settling: Optional[TargetSettling] = None) -> Decision:
-    """Pick the candidate that saves the most model calls among those the policy accepts. `settling` (the
-    request's own x0-hat change at the end of its probe) limits how far a target region is jumped."""
+def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, risk: str = "custom") -> Decision:
+    """Pick the candidate that saves the most model calls among those the policy accepts."""
     if not candidates:
         return Decision(False, risk, steps, probe_steps, probe_steps,
                         reasons=["no earlier generation of this model, shape and schedule is in the cache"])
     best, rejected = None, []
     for candidate in candidates:
-        resume, refine, cells, numbers, reasons = _assess(candidate, policy, steps, probe_steps, settling)
+        resume, refine, cells, numbers, reasons = _assess(candidate, policy, steps, probe_steps)
         if resume is None:
             rejected.append((candidate.record.entry_id, numbers, reasons))
             continue

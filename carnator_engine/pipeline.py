@@ -18,7 +18,7 @@ import torch
 from . import gate as gate_module
 from .connectivity import ConnectivityRecorder, plan_from_tensors
 from .index import Candidate, bucket_key, nearest
-from .localize import TargetSettling, latent_mask
+from .localize import latent_mask
 from .observer import CheckpointRecorder, GenerationObserver
 from .preview import thumbnail_png
 from .resume import resume_latent
@@ -69,7 +69,6 @@ class ProbeResult:
     probe_steps: int
     bucket: str
     seconds: float
-    settling: Optional[TargetSettling] = None   # None for a one-step probe
 
     @property
     def steps(self) -> int:
@@ -111,11 +110,8 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     x = noise * float(sigmas[0])
     latent = runner.run(x, sigmas, 0, config.probe_steps, observer)
     bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
-    change, last = recorder.denoised_change(), config.probe_steps - 1
-    settling = None if change is None else \
-        TargetSettling(change / (float(sigmas[last - 1]) - float(sigmas[last])), sigmas, last)
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
-                       time.perf_counter() - started, settling)
+                       time.perf_counter() - started)
 
 
 def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
@@ -123,8 +119,7 @@ def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) ->
 
 
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gate_module.Decision:
-    return gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk,
-                              probed.settling)
+    return gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk)
 
 
 def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,

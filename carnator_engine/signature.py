@@ -12,7 +12,6 @@ Three views, each cheap to record and compare:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +57,6 @@ class SignatureRecorder:
         self.hidden: dict = {}
         self.attention: dict = {}
         self.denoised_grid = None
-        self.previous_denoised_grid = None
 
     @property
     def last_step(self) -> int:
@@ -79,20 +77,9 @@ class SignatureRecorder:
             self.attention[block_index] = coarse / coarse.sum(-1, keepdim=True)
 
     def denoised(self, step: int, denoised: torch.Tensor) -> None:
-        if step in (self.last_step - 1, self.last_step):
+        if step == self.last_step:
             grid = tuple(min(g, s) for g, s in zip(self.grid, denoised.shape[-3:]))
-            pooled = F.adaptive_avg_pool3d(denoised.detach().float().mean(0, keepdim=True), grid)[0]
-            if step == self.last_step:
-                self.denoised_grid = pooled
-            else:
-                self.previous_denoised_grid = pooled
-
-    def denoised_change(self) -> Optional[torch.Tensor]:
-        """[Tg, Hg, Wg] RMS change (over channels) of x0-hat between the last two probe steps; None for a
-        one-step probe. How far a cell's own estimate is from settled, which is what a jump relies on."""
-        if self.previous_denoised_grid is None or self.denoised_grid is None:
-            return None
-        return (self.denoised_grid - self.previous_denoised_grid).pow(2).mean(0).sqrt().cpu()
+            self.denoised_grid = F.adaptive_avg_pool3d(denoised.detach().float().mean(0, keepdim=True), grid)[0]
 
     def signature(self) -> EarlySignature:
         if self.denoised_grid is None or not self.hidden:

@@ -79,29 +79,6 @@ def test_nothing_to_refine_without_a_target_region_or_a_checkpoint_before_k():
     assert only_k.reuse and only_k.resume_step == 10 and only_k.refine_step is None
 
 
-def test_an_unsettled_target_region_is_not_jumped_far():
-    from carnator_engine.localize import TargetSettling
-    from carnator_engine.schedule import flow_sigmas
-    edited = BASE.clone()
-    edited[:, 2:4, 2:4, 2:4] += 3.0
-    candidate = _candidate(_sig(edited), _sig(BASE), steps=list(range(4, 14)))
-    sigmas = flow_sigmas(20)
-    rate = torch.zeros(8, 8, 8)
-    rate[2:4, 2:4, 2:4] = 1.0                      # the edited cells' own estimate still moves
-    settling = TargetSettling(rate, sigmas, estimate_step=2)
-    free = decide([candidate], 20, 3, policy_for("balanced"), "balanced", settling)
-    assert free.reuse and free.numbers["target_drift"] == pytest.approx(settling.drift(free.target_cells, free.resume_step), abs=1e-5)
-    limit = settling.drift(free.target_cells, free.resume_step - 2)
-    held = decide([candidate], 20, 3, policy_for("balanced", max_target_drift=limit), "balanced", settling)
-    assert held.reuse and held.resume_step == free.resume_step - 2 and held.numbers["target_drift"] <= limit
-    assert any("target region still settling" in reason for reason in held.reasons)
-    settled_elsewhere = TargetSettling(torch.where(free.target_cells, 0.0, 5.0), sigmas, estimate_step=2)
-    assert decide([candidate], 20, 3, policy_for("balanced", max_target_drift=limit), "balanced",
-                  settled_elsewhere).resume_step == free.resume_step      # only the target cells' drift counts
-    with pytest.raises(ValueError, match="max_target_drift"):
-        policy_for("balanced", max_target_drift=0.0)
-
-
 def test_global_difference_is_rejected_with_reasons():
     other = torch.randn(3, 8, 8, 8, generator=torch.Generator().manual_seed(1))
     decision = decide([_candidate(_sig(other), _sig(BASE))], 20, 3, policy_for("aggressive"), "aggressive")

@@ -112,18 +112,3 @@ def test_checkpoints_cover_every_reachable_resume_step():
     assert checkpoint_steps(20, 3, 20) == list(range(4, 14))
     thinned = checkpoint_steps(50, 5, 8)
     assert len(thinned) == 8 and thinned[-1] == 32 and thinned[0] > 5
-
-
-def test_probe_measures_how_settled_its_own_estimate_is(tiny_model):
-    import torch.nn.functional as F
-    from carnator_engine.observer import GenerationObserver
-    runner = TinyDiTRunner(tiny_model, "a red circle moving left")
-    probed = probe(runner, _noise(4), SIGMAS, _config())
-    first = GenerationObserver()
-    runner.run(_noise(4) * float(SIGMAS[0]), SIGMAS, 0, 1, first)
-    grid = lambda x0: F.adaptive_avg_pool3d(x0.float().mean(0, keepdim=True), (8, 8, 8))[0]  # noqa: E731
-    change = (grid(probed.denoised) - grid(first.last_denoised)).pow(2).mean(0).sqrt()
-    settling = probed.settling
-    assert settling.estimate_step == 1 and settling.rate.shape == (8, 8, 8)
-    torch.testing.assert_close(settling.rate, change / float(SIGMAS[0] - SIGMAS[1]), atol=1e-4, rtol=1e-4)
-    assert probe(runner, _noise(4), SIGMAS, CarnatorConfig(probe_steps=1, block_size=64)).settling is None
