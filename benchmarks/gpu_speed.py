@@ -33,6 +33,7 @@ ComfyUI is found at --comfyui, else $COMFYUI_PATH, else <repo>/.host/ComfyUI, el
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -180,6 +181,21 @@ def sync():
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def timed(timer=None):
+    """CUDA-synchronised wall clock around a block: yields a dict whose "seconds" is set when the block ends.
+    With a StepTimer, the timer restarts at the block's start, so its first step is timed from there."""
+    if timer is not None:
+        timer.reset()
+    sync()
+    span = {"start": time.perf_counter()}
+    if timer is not None:
+        timer.marks.append((-1, span["start"]))
+    yield span
+    sync()
+    span["seconds"] = time.perf_counter() - span["start"]
+
+
 class StepTimer:
     """Sampler callback: the time of each step (CUDA synchronised at every step end)."""
 
@@ -277,14 +293,11 @@ def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed):
     from carnator_engine.connectivity import plan_from_tensors
     from carnator_engine.localize import latent_mask
 
-    sync()
-    t0 = time.perf_counter()
-    probed = pipeline.probe(runner, noise, sigmas, config)
-    sync()
-    t1 = time.perf_counter()
-    candidates = pipeline.lookup(store, probed, config)
-    decision = pipeline.decide(probed, candidates, config)
-    t2 = time.perf_counter()
+    with timed() as probe_span:
+        probed = pipeline.probe(runner, noise, sigmas, config)
+    with timed() as gate_span:
+        candidates = pipeline.lookup(store, probed, config)
+        decision = pipeline.decide(probed, candidates, config)
     if not decision.reuse:
         raise RuntimeError("the gate rejected the repeated request: " + "; ".join(decision.reasons))
     gate_step = decision.resume_step
@@ -294,22 +307,22 @@ def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed):
             raise RuntimeError(f"entry has no checkpoint at step {resume_step}")
         decision.resume_step = resume_step
         decision.reasons.append(f"benchmark: resume step forced from {gate_step} to {resume_step}")
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, timed() as resume_span:
         warnings.simplefilter("always")
         counter = SparseCounter()
         try:
             result = pipeline.resume(runner, probed, decision, store, config, PROMPT, seed)
         finally:
             counter.restore()
-    sync()
-    t3 = time.perf_counter()
     payload = store.trajectory(store.record(decision.entry_id))
     fhw = probed.latent.shape[-3:]
     target = (latent_mask(decision.target_cells, fhw) if decision.target_cells is not None
               else torch.zeros(tuple(fhw), dtype=torch.bool))
     plan = plan_from_tensors(payload.connectivity, runner.layout.tokens_from_latent_mask(target))
     return {
-        "seconds": t3 - t0, "probe_s": t1 - t0, "lookup_gate_s": t2 - t1, "resume_and_write_s": t3 - t2,
+        "seconds": probe_span["seconds"] + gate_span["seconds"] + resume_span["seconds"],
+        "probe_s": probe_span["seconds"], "lookup_gate_s": gate_span["seconds"],
+        "resume_and_write_s": resume_span["seconds"],
         "write_back_s": result.seconds.get("write_back"), "resume_step": decision.resume_step,
         "gate_resume_step": gate_step, "forced_resume_step": forced, "model_calls": result.model_calls,
         "plan_blocks": len(plan), "plan_mean_density": plan.mean_density(),
@@ -428,20 +441,17 @@ def run(args):
     out["gate_overrides"] = overrides
 
     # -- warm-up: dense steps through ComfyUI (cuDNN plans, allocator), flex compile for this shape --
-    t = time.perf_counter()
-    plain_sample(model, noise, sigmas[: 3], positive, negative, args.seed)
-    sync()
-    log(f"warm-up dense (2 steps) {time.perf_counter() - t:.1f} s")
+    with timed() as span:
+        plain_sample(model, noise, sigmas[: 3], positive, negative, args.seed)
+    log(f"warm-up dense (2 steps) {span['seconds']:.1f} s")
     band, band_density = band_connectivity(tokens, block_size, args.chosen_density)
     qkv = [torch.randn(1, tokens, heads * HEAD_DIM, device=device, dtype=dtype)
            .reshape(1, tokens, heads, HEAD_DIM).transpose(1, 2) for _ in range(3)]
     warm_plan = sa.BlockSparseAttention({0: band}, block_size=block_size, seq_len=tokens)
-    t = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, timed() as span:
         warnings.simplefilter("always")
         warm_plan.attend(0, *qkv)
-        sync()
-    res["flex_warmup"] = {"seconds": time.perf_counter() - t, "flex_available": sa.flex_available(),
+    res["flex_warmup"] = {"seconds": span["seconds"], "flex_available": sa.flex_available(),
                           "warnings": flex_warnings(caught)}
     log(f"sparse attention warm-up (flex compile on CUDA) {res['flex_warmup']['seconds']:.1f} s "
         f"{res['flex_warmup']['warnings'] or ''}")
@@ -459,13 +469,9 @@ def run(args):
     # -- (1) full generation, plain ComfyUI, dense (twice: the overhead goal is a few tenths of a second) --
     full_runs, full_steps = [], []
     for _ in range(2):
-        timer.reset()
-        sync()
-        t = time.perf_counter()
-        timer.marks.append((-1, t))
-        full_latent = plain_sample(model, noise, sigmas, positive, negative, args.seed, callback=timer)
-        sync()
-        full_runs.append(time.perf_counter() - t)
+        with timed(timer) as span:
+            full_latent = plain_sample(model, noise, sigmas, positive, negative, args.seed, callback=timer)
+        full_runs.append(span["seconds"])
         full_steps += timer.step_seconds()
         log(f"full generation (plain ComfyUI, {n} steps, dense): {full_runs[-1]:.2f} s")
     full_s = median(full_runs)
@@ -477,10 +483,8 @@ def run(args):
     # -- (4) attention share: self-attention as a no-op --
     noop = model.clone()
     noop.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = noop_self_attention
-    timer.reset()
-    sync()
-    timer.marks.append((-1, time.perf_counter()))
-    plain_sample(noop, noise, sigmas[: preset["noop_steps"] + 1], positive, negative, args.seed, callback=timer)
+    with timed(timer):
+        plain_sample(noop, noise, sigmas[: preset["noop_steps"] + 1], positive, negative, args.seed, callback=timer)
     noop_step = median(timer.step_seconds())
     a = max(0.0, min(1.0, 1.0 - noop_step / res["full"]["step_median_s"]))
     res["attention_share"] = {"a": a, "step_dense_s": res["full"]["step_median_s"], "step_noop_s": noop_step,
@@ -498,12 +502,9 @@ def run(args):
 
         # -- misses: the same request through Carnator on an empty store (each stores an entry) --
         def carnator_miss(label, miss_store, miss_config):
-            timer.reset()
-            sync()
-            t = time.perf_counter()
-            result = generate(runner, noise, sigmas, miss_store, miss_config, PROMPT, args.seed)
-            sync()
-            seconds = time.perf_counter() - t
+            with timed(timer) as span:
+                result = generate(runner, noise, sigmas, miss_store, miss_config, PROMPT, args.seed)
+            seconds = span["seconds"]
             if result.decision.reuse or result.entry_id is None:
                 raise RuntimeError(f"expected a stored miss, got {result.summary()}")
             facts = {"seconds": seconds, "step_median_s": median(timer.step_seconds()),
@@ -564,12 +565,10 @@ def run(args):
         from carnator_engine.connectivity import plan_from_tensors
         from carnator_engine.observer import GenerationObserver
         no_target = torch.zeros(tokens, dtype=torch.bool)
-        sync()
-        t = time.perf_counter()
-        runner.run(noise * float(sigmas[n - 2]), sigmas, n - 2, n,
-                   GenerationObserver(sparse=plan_from_tensors(recorded["budget"], no_target)))
-        sync()
-        res["sparse_path_warmup_s"] = time.perf_counter() - t
+        with timed() as span:
+            runner.run(noise * float(sigmas[n - 2]), sigmas, n - 2, n,
+                       GenerationObserver(sparse=plan_from_tensors(recorded["budget"], no_target)))
+        res["sparse_path_warmup_s"] = span["seconds"]
         log(f"warm-up sparse path through the model (2 steps) {res['sparse_path_warmup_s']:.1f} s")
 
         probed = None
@@ -598,10 +597,10 @@ def run(args):
         from carnator_engine import pipeline
         lookups = []
         for _ in range(7):
-            t = time.perf_counter()
-            candidates = pipeline.lookup(store, probed, config)
-            pipeline.decide(probed, candidates, config)
-            lookups.append(time.perf_counter() - t)
+            with timed() as span:
+                candidates = pipeline.lookup(store, probed, config)
+                pipeline.decide(probed, candidates, config)
+            lookups.append(span["seconds"])
         entries = len(store.records())
         lookup_s = median(lookups)
         probe_extra = probe_s - p * res["full"]["step_median_s"]
