@@ -12,14 +12,16 @@ to fp16 exactly as shipped, sample held-out random prompts (Euler, flow_sigmas(s
 guidance scales; the analyzer scores each attribute. Weights go to --out (fp16 safetensors that
 load_tiny_dit reads), the scores to --json.
 
-The shipped weights came from three runs on one H200 (benchmarks/results/demo_model_accuracy.json
-holds every command, nested under "initialized_from"; eager steps are launch-bound, so the compiled
-runs use a 4x batch):
+The shipped weights came from four runs on one H200, 26.3 minutes in all (benchmarks/results/
+demo_model_accuracy.json holds every command, nested under "initialized_from"; eager steps are
+launch-bound, so the compiled runs use a 4x batch):
     python3 -m carnator_engine.demo.train --out stage1.safetensors --minutes 6.5
     python3 -m carnator_engine.demo.train --init stage1.safetensors --out stage2.safetensors \
         --minutes 5 --batch 1024 --lr 8e-4 --warmup 200 --compile on --guidance 1,2,2.5,3,4 --seed 1
-    python3 -m carnator_engine.demo.train --init stage2.safetensors --out tiny_dit.safetensors \
+    python3 -m carnator_engine.demo.train --init stage2.safetensors --out stage3.safetensors \
         --minutes 7 --batch 1024 --lr 5e-4 --warmup 100 --compile on --guidance 2,2.5,3 --seed 2
+    python3 -m carnator_engine.demo.train --init stage3.safetensors --out tiny_dit.safetensors \
+        --minutes 7.8 --batch 1024 --lr 3e-4 --warmup 50 --compile on --guidance 2,2.5 --eval-every 90 --seed 3
 """
 from __future__ import annotations
 
