@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -213,6 +214,15 @@ def load_reference(path, key):
     return {"rows": tuple(saved["rows"]), "clips": clips}
 
 
+def sign_test(worse: int, better: int) -> float:
+    """Two-sided exact sign test: the chance of a split at least this uneven if flips went either way at 1/2."""
+    n = worse + better
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(worse, better) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def summarize(rows, steps, reference_rows):
     rows_scored = list(zip(rows, reference_rows))
     n = len(rows_scored)
@@ -221,6 +231,12 @@ def summarize(rows, steps, reference_rows):
 
     def wrong(r, ref):
         return any(r["read"][a] != r["expected"][a] and ref["read"][a] == ref["expected"][a] for a in world.ATTRIBUTES)
+
+    def right(row):
+        return all(row["read"][a] == row["expected"][a] for a in world.ATTRIBUTES)
+
+    made_wrong = sum(right(ref) and not right(r) for r, ref in rows_scored)
+    made_right = sum(right(r) and not right(ref) for r, ref in rows_scored)
 
     return {
         "requests": n,
@@ -232,6 +248,11 @@ def summarize(rows, steps, reference_rows):
         "attribute_accuracy": accuracy["all"],
         "per_attribute": {k: v for k, v in accuracy.items() if k != "all"},
         "wrong_accepts": sum(wrong(r, ref) for r, ref in reused),
+        # requests whose all-six reading flips against the same request without reuse, each way, and the
+        # two-sided sign test of those flips: is the accuracy change more than a re-roll of the model's own errors?
+        "made_wrong": made_wrong,
+        "made_right": made_right,
+        "sign_test_p": sign_test(made_wrong, made_right),
         "seconds_per_request": sum(r["seconds"] for r, _ in rows_scored) / n,
     }
 
@@ -324,10 +345,12 @@ def main(argv=None) -> int:
           f"guidance {args.guidance}, {seeds}; {machine})")
     for name, table in results.items():
         print(f"\n{name}")
-        print(f"{'method':22} {'hits':>6} {'calls saved':>11} {'PSNR':>6} {'SSIM':>6} {'attr acc':>8} {'wrong acc':>9}")
+        print(f"{'method':22} {'hits':>6} {'calls saved':>11} {'PSNR':>6} {'SSIM':>6} {'attr acc':>8} {'wrong acc':>9} "
+              f"{'made wrong/right':>16} {'sign p':>6}")
         for method, s in table.items():
             print(f"{method:22} {s['hit_rate']:>6.0%} {s['model_calls_saved']:>11.0%} {s['psnr']:>6.1f} "
-                  f"{s['ssim']:>6.3f} {s['attribute_accuracy']:>8.1%} {s['wrong_accepts']:>9d}")
+                  f"{s['ssim']:>6.3f} {s['attribute_accuracy']:>8.1%} {s['wrong_accepts']:>9d} "
+                  f"{s['made_wrong']:>9d} / {s['made_right']:<4d} {s['sign_test_p']:>6.2f}")
     print(f"\nwrote {args.out}")
     return 0
 

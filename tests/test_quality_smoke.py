@@ -63,3 +63,11 @@ def test_text_baseline_embeddings_are_kept_by_prompt_and_the_encoder_loads_only_
     torch.save({"encoder": "another model", "embeddings": {}}, path)
     with pytest.raises(ValueError, match="holds embeddings of 'another model'"):
         quality.CachedSentenceEncoder(path)
+
+
+def test_sign_test_of_flips():
+    quality = _quality_script()
+    assert quality.sign_test(0, 0) == 1.0
+    assert quality.sign_test(2, 2) == 1.0
+    assert abs(quality.sign_test(5, 0) - 2 / 32) < 1e-12          # 5 flips, all one way
+    assert abs(quality.sign_test(1, 4) - quality.sign_test(4, 1)) < 1e-12
