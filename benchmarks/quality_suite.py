@@ -47,9 +47,9 @@ def command(name: str, fixed_seed: bool, args) -> tuple:
     return label, argv + (["--fixed-seed"] if fixed_seed else [])
 
 
-def run(label: str, argv: list, out_dir: str) -> tuple:
+def run(label: str, argv: list, log_dir: str) -> tuple:
     started = time.perf_counter()
-    with open(os.path.join(out_dir, f"quality_{label}.log"), "w") as log:
+    with open(os.path.join(log_dir, f"quality_{label}.log"), "w") as log:
         code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                               cwd=os.path.dirname(HERE)).returncode
     print(f"{label}: exit {code} after {time.perf_counter() - started:.0f} s", flush=True)
@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--reference-dir", default=os.path.join(HERE, "out"),
-                        help="where the no-reuse generations are kept between runs (quality.py --reference-cache)")
+                        help="where the no-reuse generations are kept between runs (quality.py --reference-cache), "
+                             "with each run's log")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--only", help="comma-separated run names (default: all of " + ", ".join(RUNS) + ")")
@@ -78,11 +79,11 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         for stage in stages:
             jobs = [command(name, fixed, args) for name in stage for fixed in (False, True)]
-            for label, code in pool.map(lambda job: run(*job, args.out_dir), jobs):
+            for label, code in pool.map(lambda job: run(*job, args.reference_dir), jobs):
                 if code:
                     failed.append(label)
     if failed:
-        print(f"failed: {', '.join(failed)} (see quality_<name>.log in {args.out_dir})", file=sys.stderr)
+        print(f"failed: {', '.join(failed)} (see quality_<name>.log in {args.reference_dir})", file=sys.stderr)
     return 1 if failed else 0
 
 
