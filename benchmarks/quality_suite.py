@@ -6,10 +6,12 @@ other runs read from a reference cache instead of generating them again.
 
     python benchmarks/quality_suite.py --jobs 2                      # CPU: about an hour on 2 cores
     python benchmarks/quality_suite.py --device cuda --jobs 12 --out-dir $OUT
+    python benchmarks/quality_suite.py --tables                      # the tables RESULTS.md shows
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -56,6 +58,87 @@ def run(label: str, argv: list, log_dir: str) -> tuple:
     return label, code
 
 
+LABELS = {"no_reuse": "no reuse", "text_similarity": "text similarity (MiniLM cosine >= 0.90, resume at step 10)",
+          "carnator": "Carnator", "carnator_no_localize": "Carnator, no localization",
+          "carnator_dense": "Carnator, dense attention", "carnator_refine": "Carnator, refine",
+          "own_jump": "own jump, no cache"}
+SEEDS = (("fresh", ""), ("fixed", "_fixed_seed"))
+
+
+def _load(out_dir: str, label: str):
+    path = os.path.join(out_dir, f"quality_{label}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        return json.load(handle)["results"]
+
+
+def _flips(s: dict) -> str:
+    return f"{s['made_wrong']} / {s['made_right']} (p {s['sign_test_p']:.2f})"
+
+
+def tables(out_dir: str) -> str:
+    """The markdown tables of benchmarks/RESULTS.md, from the suite's JSON files."""
+    lines = []
+    head = "| set | method | hits | calls saved | PSNR | SSIM | attr acc | wrong acc | made wrong / right (sign p) |"
+    for seeds, suffix in SEEDS:
+        results, own = _load(out_dir, "balanced" + suffix), _load(out_dir, "own_jump_11" + suffix)
+        if results is None:
+            continue
+        lines += ["", f"balanced, {seeds} seeds (`quality_balanced{suffix}.json`, own jump from `quality_own_jump_11{suffix}.json`):",
+                  "", head, "| --- " * 9 + "|"]
+        for kind, table in results.items():
+            rows = dict(table)
+            if own is not None:
+                rows["own_jump"] = own[kind]["own_jump"]
+            for method, s in rows.items():
+                lines.append(f"| {kind.split('_')[0]} | {LABELS[method]} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
+                             f"| {s['psnr']:.1f} | {s['ssim']:.3f} | {s['attribute_accuracy']:.1%} | {s['wrong_accepts']} "
+                             f"| {_flips(s)} |")
+    lines += ["", "| gate | seeds | hits | calls saved | attr acc (no reuse) | wrong acc | made wrong / right (sign p) "
+              "| adversarial hits | adversarial acc (no reuse) | adversarial wrong acc |", "| --- " * 10 + "|"]
+    for name, gate in (("safe", "safe"), ("balanced", "balanced"), ("aggressive", "aggressive"),
+                       ("loose_gate", "balanced + any target share, resume 0.6"),
+                       ("budget03", "balanced, connectivity budget 0.3")):
+        for seeds, suffix in SEEDS:
+            results = _load(out_dir, name + suffix)
+            if results is None:
+                continue
+            it, adv = results["iteration_stream"], results["adversarial_pairs"]
+            s, a = it["carnator"], adv["carnator"]
+            lines.append(f"| {gate} | {seeds} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | "
+                         f"{s['attribute_accuracy']:.1%} ({it['no_reuse']['attribute_accuracy']:.1%}) | "
+                         f"{s['wrong_accepts']} | {_flips(s)} | {a['hit_rate']:.0%} | {a['attribute_accuracy']:.1%} "
+                         f"({adv['no_reuse']['attribute_accuracy']:.1%}) | {a['wrong_accepts']} |")
+    lines += ["", "| no cache: stops | seeds | calls saved | attr acc (no reuse) | made wrong / right (sign p) "
+              "| adversarial acc (no reuse) | PSNR |", "| --- " * 7 + "|"]
+    for name, stops in (("own_jump_11", "11"), ("own_jump_7_11", "7, 11"), ("own_jump_7_13", "7, 13")):
+        for seeds, suffix in SEEDS:
+            results = _load(out_dir, name + suffix)
+            if results is None:
+                continue
+            it, adv = results["iteration_stream"], results["adversarial_pairs"]
+            s = it["own_jump"]
+            lines.append(f"| {stops} | {seeds} | {s['model_calls_saved']:.0%} | {s['attribute_accuracy']:.1%} "
+                         f"({it['no_reuse']['attribute_accuracy']:.1%}) | {_flips(s)} | "
+                         f"{adv['own_jump']['attribute_accuracy']:.1%} ({adv['no_reuse']['attribute_accuracy']:.1%}) "
+                         f"| {s['psnr']:.1f} |")
+    lines += ["", "| gate | seeds | variant | hits | calls saved | PSNR | attr acc (no reuse) | wrong acc "
+              "| made wrong / right (sign p) | adversarial wrong acc |", "| --- " * 10 + "|"]
+    for name, gate in (("refine", "balanced"), ("refine_loose_gate", "balanced + any target share, resume 0.65")):
+        for seeds, suffix in SEEDS:
+            results = _load(out_dir, name + suffix)
+            if results is None:
+                continue
+            it, adv = results["iteration_stream"], results["adversarial_pairs"]
+            for method, variant in (("carnator", "plain"), ("carnator_refine", "refine")):
+                s = it[method]
+                lines.append(f"| {gate} | {seeds} | {variant} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | "
+                             f"{s['psnr']:.1f} | {s['attribute_accuracy']:.1%} ({it['no_reuse']['attribute_accuracy']:.1%}) "
+                             f"| {s['wrong_accepts']} | {_flips(s)} | {adv[method]['wrong_accepts']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -65,7 +148,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--only", help="comma-separated run names (default: all of " + ", ".join(RUNS) + ")")
+    parser.add_argument("--tables", action="store_true", help="print the markdown tables from --out-dir and exit")
     args = parser.parse_args(argv)
+    if args.tables:
+        print(tables(args.out_dir))
+        return 0
     names = args.only.split(",") if args.only else list(RUNS)
     unknown = [n for n in names if n not in RUNS]
     if unknown:

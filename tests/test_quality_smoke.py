@@ -31,6 +31,15 @@ def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
     stream = first["results"]["iteration_stream"]
     assert stream["no_reuse"]["model_calls_saved"] == 0 and stream["no_reuse"]["psnr"] == 100.0
     assert set(first["rows"]["carnator"]["stream"][0]) >= {"reused", "model_calls", "read", "psnr"}
+    assert stream["carnator"]["made_wrong"] + stream["carnator"]["made_right"] <= 3
+
+    spec = importlib.util.spec_from_file_location("quality_suite", os.path.join(ROOT, "benchmarks", "quality_suite.py"))
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "quality_balanced.json").write_text((tmp_path / "first.json").read_text())
+    markdown = suite.tables(str(tmp_path / "suite"))
+    assert "| iteration | Carnator | " in markdown and "| adversarial | no reuse | 0% | 0% | 100.0 |" in markdown
 
 
 def test_a_stale_reference_cache_is_regenerated(tmp_path, capsys):
