@@ -73,6 +73,19 @@ def _load(out_dir: str, label: str):
         return json.load(handle)["results"]
 
 
+def _runs(out_dir: str, names):
+    """(label, seeds, iteration table, adversarial table) of each (name, label) run found, both seed habits."""
+    for name, label in names:
+        for seeds, suffix in SEEDS:
+            results = _load(out_dir, name + suffix)
+            if results is not None:
+                yield label, seeds, results["iteration_stream"], results["adversarial_pairs"]
+
+
+def _accuracy(method_row: dict, table: dict) -> str:
+    return f"{method_row['attribute_accuracy']:.1%} ({table['no_reuse']['attribute_accuracy']:.1%})"
+
+
 def _flips(s: dict) -> str:
     return f"{s['made_wrong']} / {s['made_right']} (p {s['sign_test_p']:.2f})"
 
@@ -97,45 +110,29 @@ def tables(out_dir: str) -> str:
                              f"| {_flips(s)} |")
     lines += ["", "| gate | seeds | hits | calls saved | attr acc (no reuse) | wrong acc | made wrong / right (sign p) "
               "| adversarial hits | adversarial acc (no reuse) | adversarial wrong acc |", "| --- " * 10 + "|"]
-    for name, gate in (("safe", "safe"), ("balanced", "balanced"), ("aggressive", "aggressive"),
-                       ("loose_gate", "balanced + any target share, resume 0.6"),
-                       ("budget03", "balanced, connectivity budget 0.3")):
-        for seeds, suffix in SEEDS:
-            results = _load(out_dir, name + suffix)
-            if results is None:
-                continue
-            it, adv = results["iteration_stream"], results["adversarial_pairs"]
-            s, a = it["carnator"], adv["carnator"]
-            lines.append(f"| {gate} | {seeds} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | "
-                         f"{s['attribute_accuracy']:.1%} ({it['no_reuse']['attribute_accuracy']:.1%}) | "
-                         f"{s['wrong_accepts']} | {_flips(s)} | {a['hit_rate']:.0%} | {a['attribute_accuracy']:.1%} "
-                         f"({adv['no_reuse']['attribute_accuracy']:.1%}) | {a['wrong_accepts']} |")
+    for gate, seeds, it, adv in _runs(out_dir, (("safe", "safe"), ("balanced", "balanced"), ("aggressive", "aggressive"),
+                                                ("loose_gate", "balanced + any target share, resume 0.6"),
+                                                ("budget03", "balanced, connectivity budget 0.3"))):
+        s, a = it["carnator"], adv["carnator"]
+        lines.append(f"| {gate} | {seeds} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | {_accuracy(s, it)} | "
+                     f"{s['wrong_accepts']} | {_flips(s)} | {a['hit_rate']:.0%} | {_accuracy(a, adv)} | "
+                     f"{a['wrong_accepts']} |")
     lines += ["", "| no cache: stops | seeds | calls saved | attr acc (no reuse) | made wrong / right (sign p) "
               "| adversarial acc (no reuse) | PSNR |", "| --- " * 7 + "|"]
-    for name, stops in (("own_jump_11", "11"), ("own_jump_7_11", "7, 11"), ("own_jump_7_13", "7, 13")):
-        for seeds, suffix in SEEDS:
-            results = _load(out_dir, name + suffix)
-            if results is None:
-                continue
-            it, adv = results["iteration_stream"], results["adversarial_pairs"]
-            s = it["own_jump"]
-            lines.append(f"| {stops} | {seeds} | {s['model_calls_saved']:.0%} | {s['attribute_accuracy']:.1%} "
-                         f"({it['no_reuse']['attribute_accuracy']:.1%}) | {_flips(s)} | "
-                         f"{adv['own_jump']['attribute_accuracy']:.1%} ({adv['no_reuse']['attribute_accuracy']:.1%}) "
-                         f"| {s['psnr']:.1f} |")
+    for stops, seeds, it, adv in _runs(out_dir, (("own_jump_11", "11"), ("own_jump_7_11", "7, 11"),
+                                                 ("own_jump_7_13", "7, 13"))):
+        s = it["own_jump"]
+        lines.append(f"| {stops} | {seeds} | {s['model_calls_saved']:.0%} | {_accuracy(s, it)} | {_flips(s)} | "
+                     f"{_accuracy(adv['own_jump'], adv)} | {s['psnr']:.1f} |")
     lines += ["", "| gate | seeds | variant | hits | calls saved | PSNR | attr acc (no reuse) | wrong acc "
               "| made wrong / right (sign p) | adversarial wrong acc |", "| --- " * 10 + "|"]
-    for name, gate in (("refine", "balanced"), ("refine_loose_gate", "balanced + any target share, resume 0.65")):
-        for seeds, suffix in SEEDS:
-            results = _load(out_dir, name + suffix)
-            if results is None:
-                continue
-            it, adv = results["iteration_stream"], results["adversarial_pairs"]
-            for method, variant in (("carnator", "plain"), ("carnator_refine", "refine")):
-                s = it[method]
-                lines.append(f"| {gate} | {seeds} | {variant} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | "
-                             f"{s['psnr']:.1f} | {s['attribute_accuracy']:.1%} ({it['no_reuse']['attribute_accuracy']:.1%}) "
-                             f"| {s['wrong_accepts']} | {_flips(s)} | {adv[method]['wrong_accepts']} |")
+    for gate, seeds, it, adv in _runs(out_dir, (("refine", "balanced"),
+                                                ("refine_loose_gate", "balanced + any target share, resume 0.65"))):
+        for method, variant in (("carnator", "plain"), ("carnator_refine", "refine")):
+            s = it[method]
+            lines.append(f"| {gate} | {seeds} | {variant} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | "
+                         f"{s['psnr']:.1f} | {_accuracy(s, it)} | {s['wrong_accepts']} | {_flips(s)} | "
+                         f"{adv[method]['wrong_accepts']} |")
     return "\n".join(lines)
 
 
