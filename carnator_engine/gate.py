@@ -32,8 +32,8 @@ class GatePolicy:
     min_saved_steps: int = 2     # a hit must save at least this many model calls
     # One model call midway (on the cached latent with the target region jumped there) re-estimates the
     # target region before its jump to k, instead of one long jump from the probe's blurry estimate.
-    # Off by default: in the evaluation world it raised PSNR by 1-5 dB but did not reduce wrong accepts,
-    # and it costs a model call per hit (benchmarks/RESULTS.md).
+    # Off by default: in the evaluation world it raised PSNR by 0.7-4 dB, but fewer wrong accepts on one request
+    # set did not replicate on another, and it costs a model call per hit (benchmarks/RESULTS.md).
     refine_target: bool = False
 
     def validate(self) -> "GatePolicy":
