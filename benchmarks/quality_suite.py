@@ -1,10 +1,12 @@
 """Every quality run that benchmarks/RESULTS.md reports, in parallel: `quality.py` once per configuration
 and seed habit, writing benchmarks/results/quality_<name>[_fixed_seed].json (or --out-dir).
 
-The two `balanced` runs go first: they generate the no-reuse references (and the text baseline), which the
-other runs read from a reference cache instead of generating them again.
+Two request sets: the main one (60 stream requests, 16 adversarial pairs, seed 0) and a replication on new
+requests (120 and 48, seed 1) that checks what the main set suggests. The first run of each set (`balanced`,
+`replication_seed1`) goes first: it generates the set's no-reuse references (and the text baseline), which the
+set's other runs read from a reference cache instead of generating them again.
 
-    python benchmarks/quality_suite.py --jobs 2                      # CPU: about an hour on 2 cores
+    python benchmarks/quality_suite.py --jobs 2                      # CPU: about two hours on 2 cores
     python benchmarks/quality_suite.py --device cuda --jobs 12 --out-dir $OUT
     python benchmarks/quality_suite.py --tables                      # the tables RESULTS.md shows
 """
@@ -19,10 +21,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COMMON = ["--stream", "60", "--pairs", "16"]
+# request set -> (quality.py arguments, the file stem of its no-reuse reference cache)
+REQUEST_SETS = {"main": (["--stream", "60", "--pairs", "16"], "quality_reference"),
+                "replication": (["--stream", "120", "--pairs", "48", "--seed", "1"], "replication_reference")}
 LOOSE = "max_target_fraction=1.0,max_resume_fraction=0.6"
 
-# name -> quality.py arguments; each runs with a fresh seed per request and with one seed per session.
+# name -> quality.py arguments (on the main set unless the name says replication); each runs with a fresh
+# seed per request and with one seed per session.
 RUNS = {
     "balanced": ["--methods", "no_reuse,text_similarity,carnator,carnator_no_localize,carnator_dense"],
     "safe": ["--risk", "safe", "--methods", "no_reuse,carnator"],
@@ -35,14 +40,22 @@ RUNS = {
     "own_jump_11": ["--methods", "no_reuse,own_jump", "--jump-path", "11"],
     "own_jump_7_11": ["--methods", "no_reuse,own_jump", "--jump-path", "7,11"],
     "own_jump_7_13": ["--methods", "no_reuse,own_jump", "--jump-path", "7,13"],
+    "replication_seed1": ["--methods", "no_reuse,text_similarity,carnator"],
+    "replication_seed1_loose_refine": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65",
+                                       "--methods", "no_reuse,carnator,carnator_refine"],
 }
-FIRST = ("balanced",)
+FIRST = ("balanced", "replication_seed1")
+
+
+def request_set(name: str) -> str:
+    return "replication" if name.startswith("replication") else "main"
 
 
 def command(name: str, fixed_seed: bool, args) -> tuple:
     label = name + ("_fixed_seed" if fixed_seed else "")
-    reference = os.path.join(args.reference_dir, f"quality_reference{'_fixed_seed' if fixed_seed else ''}.pt")
-    argv = [sys.executable, os.path.join(HERE, "quality.py"), *COMMON, *RUNS[name],
+    set_arguments, reference_stem = REQUEST_SETS[request_set(name)]
+    reference = os.path.join(args.reference_dir, f"{reference_stem}{'_fixed_seed' if fixed_seed else ''}.pt")
+    argv = [sys.executable, os.path.join(HERE, "quality.py"), *set_arguments, *RUNS[name],
             "--device", args.device, "--reference-cache", reference,
             "--text-embedding-cache", os.path.join(args.reference_dir, "quality_text_embeddings.pt"),
             "--out", os.path.join(args.out_dir, f"quality_{label}.json")]
@@ -133,6 +146,16 @@ def tables(out_dir: str) -> str:
             lines.append(f"| {gate} | {seeds} | {variant} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | "
                          f"{s['psnr']:.1f} | {_accuracy(s, it)} | {s['wrong_accepts']} | {_flips(s)} | "
                          f"{adv[method]['wrong_accepts']} |")
+    lines += ["", "| replication run | seeds | method | hits | calls saved | attr acc (no reuse) | wrong acc "
+              "| made wrong / right (sign p) | adversarial acc (no reuse) | adversarial wrong acc |", "| --- " * 10 + "|"]
+    for gate, seeds, it, adv in _runs(out_dir, (("replication_seed1", "balanced"),
+                                                ("replication_seed1_loose_refine",
+                                                 "balanced + any target share, resume 0.65"))):
+        for method, s in it.items():
+            if method != "no_reuse":
+                lines.append(f"| {gate} | {seeds} | {LABELS[method]} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
+                             f"| {_accuracy(s, it)} | {s['wrong_accepts']} | {_flips(s)} | "
+                             f"{_accuracy(adv[method], adv)} | {adv[method]['wrong_accepts']} |")
     return "\n".join(lines)
 
 

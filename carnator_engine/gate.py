@@ -108,18 +108,24 @@ def _refine_step(checkpoints, probe_steps: int, resume: int) -> Optional[int]:
     return min(inside, key=lambda s: (abs(s - middle), s)) if inside else None
 
 
-def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
-    """Returns (resume_step or None, refine step or None, target cells, numbers, reasons) for one candidate."""
+def measure(candidate, policy: GatePolicy):
+    """(target cells, numbers) of one candidate: its signature distances, the share of the clip its target
+    cells cover, and how far the early denoised estimates differ outside them."""
     distance = candidate.distance
     cells = target_cells(distance.cell_map, policy.cell_threshold)
-    fraction = cells.float().mean().item()
     outside = distance.cell_map[~cells]
     context = outside.pow(2).mean().sqrt().item() if outside.numel() else 0.0
-    numbers = {**distance.as_dict(), "context": round(context, 5), "target_fraction": round(fraction, 4)}
+    return cells, {**distance.as_dict(), "context": context, "target_fraction": cells.float().mean().item()}
+
+
+def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
+    """Returns (resume_step or None, refine step or None, target cells, numbers, reasons) for one candidate."""
+    cells, numbers = measure(candidate, policy)
+    distance = candidate.distance
     limits = [("pooled block states", distance.hidden, policy.max_hidden),
               ("attention structure", distance.attention, policy.max_attention),
-              ("denoised estimate outside the target region", context, policy.max_context),
-              ("target region share", fraction, policy.max_target_fraction)]
+              ("denoised estimate outside the target region", numbers["context"], policy.max_context),
+              ("target region share", numbers["target_fraction"], policy.max_target_fraction)]
     reasons = []
     for label, value, limit in limits:
         verdict = "over" if value > limit else "within"

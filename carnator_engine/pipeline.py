@@ -122,22 +122,9 @@ def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gat
     return gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk)
 
 
-def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
-              config: CarnatorConfig):
-    """Runs the rest of the trajectory; returns (latent, observer, connectivity state to store)."""
-    steps = probed.steps
-    keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
-                     if s > decision.resume_step)
-    observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
-    if not decision.reuse:
-        record_step = max(probed.probe_steps, int(0.3 * steps))
-        observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass,
-                                                     config.max_density)
-        latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, steps, observer)
-        return latent, observer, observer.connectivity.tensors()
-
-    record = store.record(decision.entry_id)
-    payload = store.trajectory(record)
+def follow_entry(runner, probed: ProbeResult, decision: gate_module.Decision, payload: TrajectoryPayload,
+                 config: CarnatorConfig, observer: GenerationObserver) -> torch.Tensor:
+    """A hit's steps: the cached trajectory from the resume step on, the target region the request's own."""
     k = decision.resume_step
     fhw = probed.latent.shape[-3:]
     if config.localize:
@@ -153,7 +140,25 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
         x = resume_latent(own, denoised, float(sigmas[at]), float(sigmas[m]), payload.checkpoints[m], target)
         own, denoised, at = runner.run(x, sigmas, m, m + 1, observer), observer.last_denoised, m + 1
     x = resume_latent(own, denoised, float(sigmas[at]), float(sigmas[k]), payload.checkpoints[k], target)
-    latent = runner.run(x, sigmas, k, steps, observer)
+    return runner.run(x, sigmas, k, probed.steps, observer)
+
+
+def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
+              config: CarnatorConfig):
+    """Runs the rest of the trajectory; returns (latent, observer, connectivity state to store)."""
+    steps = probed.steps
+    keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
+                     if s > decision.resume_step)
+    observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
+    if not decision.reuse:
+        record_step = max(probed.probe_steps, int(0.3 * steps))
+        observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass,
+                                                     config.max_density)
+        latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, steps, observer)
+        return latent, observer, observer.connectivity.tensors()
+
+    payload = store.trajectory(store.record(decision.entry_id))
+    latent = follow_entry(runner, probed, decision, payload, config, observer)
     store.record_hit(decision.entry_id, steps_saved=steps - decision.model_calls)
     return latent, observer, payload.connectivity
 
@@ -195,4 +200,4 @@ def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorS
 
 
 __all__ = ["CarnatorConfig", "ProbeResult", "GenerationResult", "Candidate", "probe", "lookup", "decide",
-           "resume", "generate", "checkpoint_steps"]
+           "resume", "generate", "follow_entry", "checkpoint_steps"]

@@ -80,3 +80,22 @@ def test_sign_test_of_flips():
     assert quality.sign_test(2, 2) == 1.0
     assert abs(quality.sign_test(5, 0) - 2 / 32) < 1e-12          # 5 flips, all one way
     assert abs(quality.sign_test(1, 4) - quality.sign_test(4, 1)) < 1e-12
+
+
+def test_gate_ceiling_takes_the_furthest_safe_resume_of_each_request(tmp_path):
+    spec = importlib.util.spec_from_file_location("gate_ceiling", os.path.join(ROOT, "benchmarks", "gate_ceiling.py"))
+    ceiling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling)
+    out = tmp_path / "ceiling.json"
+    assert ceiling.main(["--stream", "3", "--restart-every", "3", "--steps", "8", "--probe-steps", "2",
+                         "--candidates", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    cold, *warm = report["rows"]
+    assert cold["trials"] == [] and cold["oracle_resume_step"] == 2
+    for row in warm:
+        steps = {t["resume_step"] for t in row["trials"]}
+        assert steps and min(steps) > 3      # a resume must save at least one call past the probe
+        safe = [t["resume_step"] for t in row["trials"] if not t["made_wrong"]]
+        assert row["oracle_resume_step"] == max(safe, default=2)
+    saved = sum(row["oracle_resume_step"] - 2 for row in report["rows"]) / (8 * 3)
+    assert abs(report["summary"]["oracle_calls_saved"] - saved) < 1e-12
