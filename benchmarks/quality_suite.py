@@ -156,7 +156,35 @@ def tables(out_dir: str) -> str:
                 lines.append(f"| {gate} | {seeds} | {LABELS[method]} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
                              f"| {_accuracy(s, it)} | {s['wrong_accepts']} | {_flips(s)} | "
                              f"{_accuracy(adv[method], adv)} | {adv[method]['wrong_accepts']} |")
+    lines += ceiling_table(out_dir)
     return "\n".join(lines)
+
+
+CEILING_RUNS = (("main, fresh", "gate_ceiling"), ("main, fixed", "gate_ceiling_fixed_seed"),
+                ("replication, fresh", "gate_ceiling_replication_seed1"),
+                ("replication, fixed", "gate_ceiling_replication_seed1_fixed_seed"))
+
+
+def ceiling_table(out_dir: str) -> list:
+    """benchmarks/gate_ceiling.py's runs side by side: accuracy if every warm request resumed at one step."""
+    found = []
+    for label, stem in CEILING_RUNS:
+        path = os.path.join(out_dir, f"{stem}.json")
+        if os.path.exists(path):
+            with open(path) as handle:
+                found.append((label, json.load(handle)["summary"]))
+    if not found:
+        return []
+    lines = ["", "| resume step | calls saved | " + " | ".join(f"{label} (no reuse {s['reference_accuracy']:.1%})"
+                                                          for label, s in found) + " |",
+             "| --- " * (2 + len(found)) + "|"]
+    for step in found[0][1]["nearest_entry_at_fixed_step"]:
+        cells = [s["nearest_entry_at_fixed_step"][step] for _, s in found]
+        lines.append(f"| {step} | {cells[0]['calls_saved']:.0%} | " + " | ".join(
+            f"{c['attribute_accuracy']:.1%} ({c['made_wrong']} / {c['made_right']})" for c in cells) + " |")
+    lines.append("| oracle (hindsight) | " + " / ".join(f"{s['oracle_calls_saved']:.0%}" for _, s in found) + " | "
+                 + " | ".join("no request made wrong" for _ in found) + " |")
+    return lines
 
 
 def main(argv=None) -> int:

@@ -9,15 +9,15 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _quality_script():
-    spec = importlib.util.spec_from_file_location("quality", os.path.join(ROOT, "benchmarks", "quality.py"))
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
-    quality = _quality_script()
+    quality = _script("quality")
     common = ["--stream", "3", "--restart-every", "3", "--pairs", "1", "--steps", "8", "--probe-steps", "2",
               "--methods", "no_reuse,carnator", "--reference-cache", str(tmp_path / "reference.pt")]
     assert quality.main(common + ["--out", str(tmp_path / "first.json")]) == 0
@@ -33,9 +33,7 @@ def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
     assert set(first["rows"]["carnator"]["stream"][0]) >= {"reused", "model_calls", "read", "psnr"}
     assert stream["carnator"]["made_wrong"] + stream["carnator"]["made_right"] <= 3
 
-    spec = importlib.util.spec_from_file_location("quality_suite", os.path.join(ROOT, "benchmarks", "quality_suite.py"))
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
+    suite = _script("quality_suite")
     (tmp_path / "suite").mkdir()
     (tmp_path / "suite" / "quality_balanced.json").write_text((tmp_path / "first.json").read_text())
     markdown = suite.tables(str(tmp_path / "suite"))
@@ -43,7 +41,7 @@ def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
 
 
 def test_a_stale_reference_cache_is_regenerated(tmp_path, capsys):
-    quality = _quality_script()
+    quality = _script("quality")
     common = ["--stream", "2", "--restart-every", "2", "--pairs", "1", "--steps", "6", "--probe-steps", "2",
               "--methods", "no_reuse", "--reference-cache", str(tmp_path / "reference.pt")]
     assert quality.main(common + ["--out", str(tmp_path / "a.json")]) == 0
@@ -56,7 +54,7 @@ def test_a_stale_reference_cache_is_regenerated(tmp_path, capsys):
 def test_text_baseline_embeddings_are_kept_by_prompt_and_the_encoder_loads_only_for_new_ones(tmp_path, monkeypatch):
     import pytest
     import torch
-    quality = _quality_script()
+    quality = _script("quality")
     path = str(tmp_path / "embeddings.pt")
     loads = []
 
@@ -75,7 +73,7 @@ def test_text_baseline_embeddings_are_kept_by_prompt_and_the_encoder_loads_only_
 
 
 def test_sign_test_of_flips():
-    quality = _quality_script()
+    quality = _script("quality")
     assert quality.sign_test(0, 0) == 1.0
     assert quality.sign_test(2, 2) == 1.0
     assert abs(quality.sign_test(5, 0) - 2 / 32) < 1e-12          # 5 flips, all one way
@@ -83,9 +81,7 @@ def test_sign_test_of_flips():
 
 
 def test_gate_ceiling_takes_the_furthest_safe_resume_of_each_request(tmp_path):
-    spec = importlib.util.spec_from_file_location("gate_ceiling", os.path.join(ROOT, "benchmarks", "gate_ceiling.py"))
-    ceiling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ceiling)
+    ceiling = _script("gate_ceiling")
     out = tmp_path / "ceiling.json"
     assert ceiling.main(["--stream", "3", "--restart-every", "3", "--steps", "8", "--probe-steps", "2",
                          "--candidates", "2", "--out", str(out)]) == 0
@@ -99,3 +95,12 @@ def test_gate_ceiling_takes_the_furthest_safe_resume_of_each_request(tmp_path):
         assert row["oracle_resume_step"] == max(safe, default=2)
     saved = sum(row["oracle_resume_step"] - 2 for row in report["rows"]) / (8 * 3)
     assert abs(report["summary"]["oracle_calls_saved"] - saved) < 1e-12
+
+    suite = _script("quality_suite")
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "gate_ceiling.json").write_text(out.read_text())
+    table = suite.ceiling_table(str(tmp_path / "suite"))
+    steps = report["summary"]["nearest_entry_at_fixed_step"]
+    assert table[1].startswith("| resume step | calls saved | main, fresh (no reuse ")
+    assert len(table) == 3 + len(steps) + 1 and table[-1].startswith("| oracle (hindsight) |")
+    assert suite.ceiling_table(str(tmp_path / "nothing")) == []
