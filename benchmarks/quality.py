@@ -69,7 +69,7 @@ def gate_overrides(text: str) -> dict:
         if name not in GatePolicy.__dataclass_fields__:
             raise argparse.ArgumentTypeError(f"unknown gate setting {name!r}: one of "
                                              f"{', '.join(GatePolicy.__dataclass_fields__)}")
-        if name == "refine_target":
+        if name in ("refine_target", "shrink_with_risk"):
             overrides[name] = value.lower() in ("1", "true", "on")
         else:
             overrides[name] = int(value) if name == "min_saved_steps" else float(value)

@@ -35,6 +35,10 @@ class GatePolicy:
     # Off by default: in the evaluation world it raised PSNR by 0.7-4 dB, but fewer wrong accepts on one request
     # set did not replicate on another, and it costs a model call per hit (benchmarks/RESULTS.md).
     refine_target: bool = False
+    # The resume step shrinks linearly with the risk score by default. Off: every accepted candidate resumes at the
+    # furthest step. In the evaluation world no gate input ranked the resumes that went wrong consistently
+    # (benchmarks/gate_ceiling.py), so the shrinking is caution, not a prediction; this switch measures it.
+    shrink_with_risk: bool = True
 
     def validate(self) -> "GatePolicy":
         checks = {"max_hidden": (0, 2), "max_attention": (0, 1), "max_context": (0, 10),
@@ -44,8 +48,9 @@ class GatePolicy:
             if not (low < value <= high) or math.isnan(value):
                 raise ValueError(f"gate setting {name}={value} is outside ({low}, {high}]: "
                                  "use a value in that range or pick a risk level preset")
-        if not isinstance(self.refine_target, bool):
-            raise ValueError(f"refine_target must be True or False, got {self.refine_target!r}")
+        for name in ("refine_target", "shrink_with_risk"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.min_saved_steps < 1:
             raise ValueError(f"min_saved_steps must be >= 1, got {self.min_saved_steps}")
         return self
@@ -134,7 +139,7 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
         return None, None, cells, numbers, reasons
     risk = max(value / limit for _, value, limit in limits[:3])
     furthest = int(policy.max_resume_fraction * steps)
-    wanted = probe_steps + int((furthest - probe_steps) * (1.0 - risk))
+    wanted = probe_steps + int((furthest - probe_steps) * (1.0 - risk)) if policy.shrink_with_risk else furthest
     checkpoints = candidate.record.checkpoint_steps
     available = [s for s in checkpoints if probe_steps < s <= wanted]
     resume = max(available, default=probe_steps)

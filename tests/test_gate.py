@@ -111,6 +111,19 @@ def test_riskier_levels_resume_later():
     assert 3 < resume["safe"] <= resume["balanced"] <= resume["aggressive"]
 
 
+def test_without_shrinking_an_accepted_candidate_resumes_at_the_furthest_step():
+    edited = BASE.clone()
+    edited[:, 2:4, 2:4, 2:4] += 3.0
+    edited += 0.15 * torch.randn(edited.shape, generator=torch.Generator().manual_seed(2))  # context risk ~ 0.5
+    candidate = _candidate(_sig(edited), _sig(BASE), steps=range(4, 12))
+    shrunk = decide([candidate], 20, 3, policy_for("balanced"), "balanced")
+    assert shrunk.reuse and shrunk.numbers["risk_score"] > 0.2 and shrunk.resume_step < 11
+    furthest = decide([candidate], 20, 3, policy_for("balanced", shrink_with_risk=False), "balanced")
+    assert furthest.reuse and furthest.resume_step == 11 and furthest.target_cells.equal(shrunk.target_cells)
+    with pytest.raises(ValueError, match="shrink_with_risk must be True or False"):
+        policy_for("balanced", shrink_with_risk="no")
+
+
 def test_no_usable_checkpoint_means_no_reuse():
     decision = decide([_candidate(_sig(BASE), _sig(BASE.clone()), steps=[4])], 20, 3, policy_for("balanced"))
     assert not decision.reuse and "too little to save" in decision.reasons[-1]
