@@ -37,6 +37,8 @@ RUNS = {
     "refine_loose_gate": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65",
                           "--methods", "no_reuse,carnator,carnator_refine"],
     "budget03": ["--max-density", "0.3", "--methods", "no_reuse,carnator,carnator_dense"],
+    "fixed_k7": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.35,shrink_with_risk=false",
+                 "--methods", "no_reuse,carnator"],
     "own_jump_11": ["--methods", "no_reuse,own_jump", "--jump-path", "11"],
     "own_jump_7_11": ["--methods", "no_reuse,own_jump", "--jump-path", "7,11"],
     "own_jump_7_13": ["--methods", "no_reuse,own_jump", "--jump-path", "7,13"],
@@ -125,7 +127,8 @@ def tables(out_dir: str) -> str:
               "| adversarial hits | adversarial acc (no reuse) | adversarial wrong acc |", "| --- " * 10 + "|"]
     for gate, seeds, it, adv in _runs(out_dir, (("safe", "safe"), ("balanced", "balanced"), ("aggressive", "aggressive"),
                                                 ("loose_gate", "balanced + any target share, resume 0.6"),
-                                                ("budget03", "balanced, connectivity budget 0.3"))):
+                                                ("budget03", "balanced, connectivity budget 0.3"),
+                                                ("fixed_k7", "balanced + any target share, always resume at 7"))):
         s, a = it["carnator"], adv["carnator"]
         lines.append(f"| {gate} | {seeds} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | {_accuracy(s, it)} | "
                      f"{s['wrong_accepts']} | {_flips(s)} | {a['hit_rate']:.0%} | {_accuracy(a, adv)} | "

@@ -240,6 +240,9 @@ class CarnatorCompatibilityGate:
         optional["refine_target"] = ("BOOLEAN", {"default": False, "tooltip":
                                      "Spend one model call midway re-estimating the region that differs from the "
                                      "cached generation, instead of extrapolating it from the probe."})
+        optional["shrink_with_risk"] = ("BOOLEAN", {"default": True, "tooltip":
+                                        "Resume earlier the closer the match is to a limit. Off: every accepted "
+                                        "match resumes at the furthest step the risk level allows."})
         return {"required": {"probe": ("CARNATOR_PROBE",), "matches": ("CARNATOR_MATCHES",), "risk": _RISK},
                 "optional": optional, "hidden": {"unique_id": "UNIQUE_ID"}}
 
@@ -254,7 +257,8 @@ class CarnatorCompatibilityGate:
         _expect(node, "matches", matches, MatchesBundle, "Carnator Signature Cache Lookup")
         if matches.probe_token != bundle.token:
             raise fail(node, "matches", "comes from another probe: feed the Signature Cache Lookup with this probe")
-        overrides = {"refine_target": bool(thresholds.pop("refine_target", False))}
+        overrides = {"refine_target": bool(thresholds.pop("refine_target", False)),
+                     "shrink_with_risk": bool(thresholds.pop("shrink_with_risk", True))}
         for name, value in thresholds.items():
             if name not in _OVERRIDES and name != "min_saved_steps":
                 continue

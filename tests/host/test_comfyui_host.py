@@ -282,6 +282,23 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
         node(comfy, "CarnatorCompatibilityGate").decide(other_probe, matches, "balanced")
 
 
+def test_gate_node_without_shrinking_resumes_at_the_furthest_step(comfy, plugin, counted, conds, latent, tmp_path):
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    sample(comfy, counted.model, cache, positive, negative, latent)
+    probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED + 1, STEPS, CFG,
+                                                    "euler", "simple", PROBE, 64)[0]
+    matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
+    gate = node(comfy, "CarnatorCompatibilityGate")
+    loose = dict(max_attention=1.0, max_context=10.0, max_target_fraction=1.0)
+    measured = gate.decide(probe, matches, "aggressive", max_hidden=2.0, **loose)["result"][0].decision
+    near_the_limit = {**loose, "max_hidden": measured.numbers["hidden"] * 1.25}   # risk 0.8
+    shrunk = gate.decide(probe, matches, "aggressive", **near_the_limit)["result"][0].decision
+    furthest = gate.decide(probe, matches, "aggressive", shrink_with_risk=False, **near_the_limit)["result"][0].decision
+    assert not shrunk.reuse, shrunk.reasons      # shrunk to step 2 + int(4 * 0.2): nothing left to save
+    assert furthest.reuse and furthest.resume_step == int(0.65 * STEPS)   # aggressive's furthest resume
+
+
 def test_hit_with_a_target_region_re_estimates_it_through_the_host_sampler(comfy, plugin, counted, conds, latent,
                                                                            tmp_path):
     positive, negative = conds
