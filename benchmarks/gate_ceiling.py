@@ -37,16 +37,8 @@ from carnator_engine.schedule import denoised_from_velocity, flow_sigmas  # noqa
 from carnator_engine.store import CarnatorStore  # noqa: E402
 
 
-def request_stream(args) -> list:
-    stream = world.iteration_stream(args.stream, seed=args.seed, restart_every=args.restart_every)
-    if args.fixed_seed:
-        stream = [world.Request(r.attributes, stream[i - i % args.restart_every].seed, r.edited)
-                  for i, r in enumerate(stream)]
-    return stream
-
-
-def made_wrong(read: dict, reference: dict, expected: dict) -> list:
-    return [a for a in world.ATTRIBUTES if read[a] != expected[a] and reference[a] == expected[a]]
+# what a gate sees (its inputs) and one thing it could see after the hit's first model call
+SIGNALS = ("hidden", "attention", "denoised", "context", "target_fraction", "resume_residual")
 
 
 class FirstStepObserver(GenerationObserver):
@@ -100,10 +92,6 @@ def auc(values: list, wrong: list):
     return sum((b > g) + 0.5 * (b == g) for b in bad for g in good) / (len(bad) * len(good))
 
 
-def right(read: dict, expected: dict) -> bool:
-    return all(read[a] == expected[a] for a in world.ATTRIBUTES)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", default=DEMO_WEIGHTS)
@@ -121,7 +109,9 @@ def main(argv=None) -> int:
     model = load_tiny_dit(args.weights, "cpu")
     sigmas = flow_sigmas(args.steps)
     config = CarnatorConfig(probe_steps=args.probe_steps, risk=args.risk, lookup_limit=args.candidates)
-    stream, rows, store = request_stream(args), [], None
+    stream = world.iteration_stream(args.stream, seed=args.seed, restart_every=args.restart_every,
+                                    one_seed_per_session=args.fixed_seed)
+    rows, store = [], None
     started = time.perf_counter()
     for index, request in enumerate(stream):
         if index % args.restart_every == 0:
@@ -136,13 +126,13 @@ def main(argv=None) -> int:
         reference = resume(runner, probed, miss, store, config, request.prompt, request.seed).latent[0].clamp(-1, 1)
         reference_read = world.analyze(reference.cpu())
         row = {"prompt": request.prompt, "edited": request.edited, "reference_read": reference_read,
-               "expected": request.attributes, "reference_right": right(reference_read, request.attributes),
+               "expected": request.attributes, "reference_right": world.all_right(reference_read, request.attributes),
                "trials": []}
         for rank, step, signals, clip in attempts:
             read = world.analyze(clip)
             row["trials"].append({"candidate": rank, "resume_step": step, "signals": signals, "read": read,
-                                  "right": right(read, request.attributes),
-                                  "made_wrong": made_wrong(read, reference_read, request.attributes)})
+                                  "right": world.all_right(read, request.attributes),
+                                  "made_wrong": world.made_wrong(read, reference_read, request.attributes)})
         safe = [t["resume_step"] for t in row["trials"] if not t["made_wrong"]]
         row["oracle_resume_step"] = max(safe, default=args.probe_steps)
         rows.append(row)
@@ -167,9 +157,7 @@ def main(argv=None) -> int:
             "attribute_accuracy": correct / len(rows),
             "made_wrong": sum(t["right"] < row["reference_right"] for row, t in pairs),
             "made_right": sum(t["right"] > row["reference_right"] for row, t in pairs),
-            "signal_auc": {name: auc([t["signals"][name] for _, t in pairs], wrong)
-                           for name in ("hidden", "attention", "denoised", "context", "target_fraction",
-                                        "resume_residual")}}
+            "signal_auc": {name: auc([t["signals"][name] for _, t in pairs], wrong) for name in SIGNALS}}
     summary = {"oracle_calls_saved": sum(saved(r["oracle_resume_step"]) for r in rows) / len(rows),
                "oracle_hit_rate": sum(r["oracle_resume_step"] > args.probe_steps for r in rows) / len(rows),
                "oracle_calls_saved_by_edit": {k: {"requests": len(v), "calls_saved": sum(v) / len(v)}
@@ -187,13 +175,12 @@ def main(argv=None) -> int:
     print(f"{'edit':12} {'requests':>8} {'saved':>7}")
     for edit, numbers in summary["oracle_calls_saved_by_edit"].items():
         print(f"{edit:12} {numbers['requests']:>8d} {numbers['calls_saved']:>7.1%}")
-    names = ("hidden", "attention", "denoised", "context", "target_fraction", "resume_residual")
     print(f"\nEvery warm request resumed from its nearest entry at one step (no reuse: "
           f"{reference_accuracy:.1%} accuracy); AUC: how well each signal ranks the resumes that made a request wrong")
-    print(f"{'step':>4} {'hits':>5} {'saved':>6} {'accuracy':>8} {'wrong/right':>11} " + " ".join(f"{n[:9]:>9}" for n in names))
+    print(f"{'step':>4} {'hits':>5} {'saved':>6} {'accuracy':>8} {'wrong/right':>11} " + " ".join(f"{n[:9]:>9}" for n in SIGNALS))
     for step, numbers in fixed_step.items():
         aucs = " ".join(f"{numbers['signal_auc'][n]:>9.2f}" if numbers["signal_auc"][n] is not None else f"{'-':>9}"
-                        for n in names)
+                        for n in SIGNALS)
         print(f"{step:>4d} {numbers['hits']:>5d} {numbers['calls_saved']:>6.1%} {numbers['attribute_accuracy']:>8.1%} "
               f"{numbers['made_wrong']:>5d} / {numbers['made_right']:<3d} {aucs}")
     print(f"\nwrote {args.out}")

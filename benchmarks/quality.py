@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from carnator_engine.backbones.tiny_dit import load_tiny_dit  # noqa: E402
 from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, world  # noqa: E402
 from carnator_engine.euler import TinyDiTRunner  # noqa: E402
-from carnator_engine.gate import GatePolicy  # noqa: E402
+from carnator_engine.gate import SWITCHES, GatePolicy  # noqa: E402
 from carnator_engine.observer import CheckpointRecorder, GenerationObserver  # noqa: E402
 from carnator_engine.pipeline import CarnatorConfig, generate  # noqa: E402
 from carnator_engine.schedule import flow_sigmas, jump  # noqa: E402
@@ -69,7 +69,7 @@ def gate_overrides(text: str) -> dict:
         if name not in GatePolicy.__dataclass_fields__:
             raise argparse.ArgumentTypeError(f"unknown gate setting {name!r}: one of "
                                              f"{', '.join(GatePolicy.__dataclass_fields__)}")
-        if name in ("refine_target", "shrink_with_risk"):
+        if name in SWITCHES:
             overrides[name] = value.lower() in ("1", "true", "on")
         else:
             overrides[name] = int(value) if name == "min_saved_steps" else float(value)
@@ -230,10 +230,10 @@ def summarize(rows, steps, reference_rows):
     reused = [(r, ref) for r, ref in rows_scored if r["reused"]]
 
     def wrong(r, ref):
-        return any(r["read"][a] != r["expected"][a] and ref["read"][a] == ref["expected"][a] for a in world.ATTRIBUTES)
+        return bool(world.made_wrong(r["read"], ref["read"], r["expected"]))
 
     def right(row):
-        return all(row["read"][a] == row["expected"][a] for a in world.ATTRIBUTES)
+        return world.all_right(row["read"], row["expected"])
 
     made_wrong = sum(right(ref) and not right(r) for r, ref in rows_scored)
     made_right = sum(right(r) and not right(ref) for r, ref in rows_scored)
@@ -301,10 +301,8 @@ def main(argv=None) -> int:
     sigmas = flow_sigmas(args.steps)
     text_encoder = CachedSentenceEncoder(args.text_embedding_cache) if "text_similarity" in methods else None
 
-    stream = world.iteration_stream(args.stream, seed=args.seed, restart_every=args.restart_every)
-    if args.fixed_seed:
-        stream = [world.Request(r.attributes, stream[i - i % args.restart_every].seed, r.edited)
-                  for i, r in enumerate(stream)]
+    stream = world.iteration_stream(args.stream, seed=args.seed, restart_every=args.restart_every,
+                                    one_seed_per_session=args.fixed_seed)
     pairs = world.adversarial_pairs(args.pairs, seed=args.seed + 1)
     pair_requests = [request for pair in pairs for request in pair]
     reference, results = {}, {"iteration_stream": {}, "adversarial_pairs": {}}

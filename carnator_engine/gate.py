@@ -11,7 +11,7 @@ Every decision carries its numbers and its reasons.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -48,13 +48,15 @@ class GatePolicy:
             if not (low < value <= high) or math.isnan(value):
                 raise ValueError(f"gate setting {name}={value} is outside ({low}, {high}]: "
                                  "use a value in that range or pick a risk level preset")
-        for name in ("refine_target", "shrink_with_risk"):
+        for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.min_saved_steps < 1:
             raise ValueError(f"min_saved_steps must be >= 1, got {self.min_saved_steps}")
         return self
 
+
+SWITCHES = tuple(f.name for f in fields(GatePolicy) if f.type == "bool")   # on/off settings, the rest are numbers
 
 # Thresholds are scale-free (cosines, distribution distances) or in units of the sampler's unit-variance
 # noise, so they carry across backbones. The values were checked in the
@@ -131,6 +133,7 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
               ("attention structure", distance.attention, policy.max_attention),
               ("denoised estimate outside the target region", numbers["context"], policy.max_context),
               ("target region share", numbers["target_fraction"], policy.max_target_fraction)]
+    numbers.update(context=round(numbers["context"], 5), target_fraction=round(numbers["target_fraction"], 4))
     reasons = []
     for label, value, limit in limits:
         verdict = "over" if value > limit else "within"

@@ -82,6 +82,17 @@ def test_iteration_stream_edits_one_attribute_at_a_time():
         assert after.seed != before.seed
     restarted = world.iteration_stream(10, seed=3, restart_every=5)
     assert restarted[5].edited is None
+    fixed = world.iteration_stream(10, seed=3, restart_every=5, one_seed_per_session=True)
+    assert [r.attributes for r in fixed] == [r.attributes for r in restarted]   # same prompts, seeds per session
+    assert [r.seed for r in fixed] == [restarted[0].seed] * 5 + [restarted[5].seed] * 5
+
+
+def test_made_wrong_counts_only_what_the_reference_got_right():
+    expected = {name: world.VALUES[name][0] for name in ATTRIBUTES}
+    reference = {**expected, "shape": world.VALUES["shape"][1]}            # the full generation missed the shape
+    read = {**expected, "shape": world.VALUES["shape"][1], "color": world.VALUES["color"][1]}
+    assert world.made_wrong(read, reference, expected) == ["color"]
+    assert world.all_right(expected, expected) and not world.all_right(read, expected)
 
 
 def test_adversarial_pairs_differ_in_one_word_and_share_noise():

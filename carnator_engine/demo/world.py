@@ -398,6 +398,15 @@ def analyze(clip: torch.Tensor) -> dict:
     return analyze_batch(clip[None])[0]
 
 
+def all_right(read: dict, expected: dict) -> bool:
+    return all(read[name] == expected[name] for name in ATTRIBUTES)
+
+
+def made_wrong(read: dict, reference: dict, expected: dict) -> list:
+    """Attributes a generation got wrong that the reference generation of the same request got right."""
+    return [name for name in ATTRIBUTES if read[name] != expected[name] and reference[name] == expected[name]]
+
+
 def attribute_accuracy(expected: list, read: list) -> dict:
     """Share of clips whose read attribute equals the expected one, per attribute and for 'all'."""
     if len(expected) != len(read):
@@ -452,10 +461,12 @@ def _new_seed(generator: torch.Generator) -> int:
 
 
 def iteration_stream(n: int, seed: int = 0, restart_every: Optional[int] = None,
-                     editable=ATTRIBUTES) -> list:
+                     editable=ATTRIBUTES, one_seed_per_session: bool = False) -> list:
     """A user iterating on a prompt: each request changes one attribute of the previous one
     (chosen uniformly from `editable`) and draws a fresh noise seed; every `restart_every`
-    requests (if given) a new random prompt starts a new session."""
+    requests (if given) a new random prompt starts a new session. With one_seed_per_session
+    (ComfyUI's 'fixed' seed habit) every request keeps its session's first seed; the prompts are
+    the same either way."""
     generator = _generator(seed)
     requests = []
     current = None
@@ -467,6 +478,9 @@ def iteration_stream(n: int, seed: int = 0, restart_every: Optional[int] = None,
             edited = editable[int(torch.randint(len(editable), (1,), generator=generator))]
             current = edit(current, edited, generator)
         requests.append(Request(current, _new_seed(generator), edited))
+    if one_seed_per_session:
+        first = lambda i: i - i % restart_every if restart_every else 0  # noqa: E731
+        requests = [Request(r.attributes, requests[first(i)].seed, r.edited) for i, r in enumerate(requests)]
     return requests
 
 
