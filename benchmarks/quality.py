@@ -157,7 +157,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
         for request in group:
             runner = TinyDiTRunner(model, request.prompt, guidance_scale=args.guidance)
             noise = world.initial_noise([request.seed])
-            started, numbers = time.perf_counter(), {}
+            started, numbers, exact_repeat = time.perf_counter(), {}, False
             if method == "no_reuse":
                 observer = GenerationObserver()
                 latent = runner.run(noise * float(sigmas[0]), sigmas, 0, len(sigmas) - 1, observer)
@@ -178,7 +178,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
                                         gate_overrides=overrides)
                 result = generate(runner, noise, sigmas, store, config, request.prompt, request.seed)
                 latent, reused, calls = result.latent, result.decision.reuse, result.model_calls
-                resume = result.decision.resume_step
+                resume, exact_repeat = result.decision.resume_step, result.decision.exact_repeat
                 numbers = result.decision.numbers
             seconds = time.perf_counter() - started
             clip = latent[0].clamp(-1, 1).cpu()
@@ -187,7 +187,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
                 reference[key] = clip
             read = world.analyze(clip)
             rows.append({"prompt": request.prompt, "seed": request.seed, "tags": request.tags,
-                         "reused": reused, "resume_step": resume, "gate": numbers, "model_calls": calls, "seconds": seconds,
+                         "reused": reused, "exact_repeat": exact_repeat, "resume_step": resume, "gate": numbers, "model_calls": calls, "seconds": seconds,
                          "read": read, "expected": request.attributes,
                          "psnr": psnr(clip, reference[key]), "ssim": ssim(clip, reference[key])})
         store.close()
@@ -195,11 +195,12 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
 
 
 def reference_key(args) -> dict:
-    """Everything the no_reuse generations depend on."""
+    """Everything the no_reuse generations depend on (the device too: CPU and GPU kernels round differently)."""
     with open(args.weights, "rb") as handle:
         weights = hashlib.sha256(handle.read()).hexdigest()
     return {"weights": weights, **{name: getattr(args, name) for name in
-                                   ("stream", "restart_every", "fixed_seed", "pairs", "steps", "guidance", "seed")}}
+                                   ("stream", "restart_every", "fixed_seed", "pairs", "steps", "guidance", "seed",
+                                    "device")}}
 
 
 def load_reference(path, key):
@@ -241,6 +242,7 @@ def summarize(rows, steps, reference_rows):
     return {
         "requests": n,
         "hit_rate": len(reused) / n,
+        "exact_repeats": sum(bool(r.get("exact_repeat")) for r, _ in rows_scored),
         "model_calls_saved": 1 - sum(r["model_calls"] for r, _ in rows_scored) / (steps * n),
         "psnr": sum(r["psnr"] for r, _ in rows_scored) / n,
         "ssim": sum(r["ssim"] for r, _ in rows_scored) / n,

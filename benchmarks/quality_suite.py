@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,9 +22,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from quality import sign_test  # noqa: E402
 # request set -> (quality.py arguments, the file stem of its no-reuse reference cache)
 REQUEST_SETS = {"main": (["--stream", "60", "--pairs", "16"], "quality_reference"),
                 "replication": (["--stream", "120", "--pairs", "48", "--seed", "1"], "replication_reference")}
+# The pooled replication: eight more sets like the replication's, new requests each, run on the GPU and read
+# together, so that an accuracy change of one or two points is resolved rather than lost in re-roll noise.
+POOLED_SEEDS = tuple(range(2, 10))
+REQUEST_SETS.update({f"pooled{seed}": (["--stream", "120", "--pairs", "48", "--seed", str(seed)],
+                                       f"pooled{seed}_reference") for seed in POOLED_SEEDS})
 LOOSE = "max_target_fraction=1.0,max_resume_fraction=0.6"
 
 # name -> quality.py arguments (on the main set unless the name says replication); each runs with a fresh
@@ -46,11 +55,21 @@ RUNS = {
     "replication_seed1_loose_refine": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65",
                                        "--methods", "no_reuse,carnator,carnator_refine"],
 }
-FIRST = ("balanced", "replication_seed1")
+# pooled configuration -> quality.py arguments, run on every pooled set
+POOLED_RUNS = {"balanced": ["--methods", "no_reuse,text_similarity,carnator"],
+               "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
+               "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"]}
+RUNS.update({f"pooled{seed}_{config}": arguments for config, arguments in POOLED_RUNS.items() for seed in POOLED_SEEDS})
+FIRST = ("balanced", "replication_seed1", *(f"pooled{seed}_balanced" for seed in POOLED_SEEDS))
+# --only takes run names or these groups; with no --only the suite runs "cpu", what RESULTS.md's CPU tables need
+GROUPS = {"pooled": [name for name in RUNS if name.startswith("pooled")],
+          "cpu": [name for name in RUNS if not name.startswith("pooled")]}
 
 
 def request_set(name: str) -> str:
-    return "replication" if name.startswith("replication") else "main"
+    """A run's request set: the one its name starts with ("replication_seed1", "pooled3_aggressive"), else main."""
+    prefix = name.split("_")[0]
+    return prefix if prefix in REQUEST_SETS else "main"
 
 
 def command(name: str, fixed_seed: bool, args) -> tuple:
@@ -160,7 +179,52 @@ def tables(out_dir: str) -> str:
                              f"| {_accuracy(s, it)} | {s['wrong_accepts']} | {_flips(s)} | "
                              f"{_accuracy(adv[method], adv)} | {adv[method]['wrong_accepts']} |")
     lines += ceiling_table(out_dir)
+    lines += pooled_table(out_dir)
     return "\n".join(lines)
+
+
+def pool(summaries: list) -> dict:
+    """Request-weighted totals of several quality.py summaries of one method, and the paired accuracy change
+    against no reuse with its 95 % interval (normal approximation over the per-request flips)."""
+    n = sum(s["requests"] for s in summaries)
+    mean = lambda key: sum(s[key] * s["requests"] for s in summaries) / n  # noqa: E731
+    worse, better = sum(s["made_wrong"] for s in summaries), sum(s["made_right"] for s in summaries)
+    change = (better - worse) / n
+    spread = 1.96 * math.sqrt(max((worse + better) / n - change ** 2, 0.0) / n)
+    return {"requests": n, "hit_rate": mean("hit_rate"), "model_calls_saved": mean("model_calls_saved"),
+            "exact_repeats": sum(s.get("exact_repeats", 0) for s in summaries),
+            "attribute_accuracy": mean("attribute_accuracy"), "wrong_accepts": sum(s["wrong_accepts"] for s in summaries),
+            "made_wrong": worse, "made_right": better, "sign_test_p": sign_test(worse, better),
+            "change": change, "change_low": change - spread, "change_high": change + spread}
+
+
+def pooled_table(out_dir: str) -> list:
+    """The pooled replication: every pooled set's run of one configuration and seed habit added up."""
+    lines = []
+    for config in POOLED_RUNS:
+        for seeds, suffix in SEEDS:
+            found = [r for r in (_load(out_dir, f"pooled{seed}_{config}{suffix}") for seed in POOLED_SEEDS) if r]
+            if not found:
+                continue
+            if not lines:
+                lines = ["", "| configuration | seeds | sets | method | requests | hits (exact repeats) | calls saved | attr acc "
+                         "(no reuse) | change (95 % interval) | made wrong / right (sign p) | adversarial acc (no reuse) "
+                         "| adversarial change (95 % interval) | adversarial wrong acc |", "| --- " * 13 + "|"]
+            totals = {kind: {method: pool([r[kind][method] for r in found]) for method in found[0][kind]}
+                      for kind in ("iteration_stream", "adversarial_pairs")}
+            it, adv = totals["iteration_stream"], totals["adversarial_pairs"]
+            for method in it:
+                if method == "no_reuse":
+                    continue
+                s, a = it[method], adv[method]
+                lines.append(f"| {config} | {seeds} | {len(found)} | {LABELS[method]} | {s['requests']} | "
+                             f"{s['hit_rate']:.0%} ({s['exact_repeats']}) | {s['model_calls_saved']:.0%} | {_accuracy(s, it)} | "
+                             f"{_change(s)} | {_flips(s)} | {_accuracy(a, adv)} | {_change(a)} | {a['wrong_accepts']} |")
+    return lines
+
+
+def _change(s: dict) -> str:
+    return f"{s['change'] * 100:+.1f} ({s['change_low'] * 100:+.1f} to {s['change_high'] * 100:+.1f}) pts"
 
 
 CEILING_RUNS = (("main, fresh", "gate_ceiling"), ("main, fixed", "gate_ceiling_fixed_seed"),
@@ -198,16 +262,19 @@ def main(argv=None) -> int:
                              "with each run's log")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--only", help="comma-separated run names (default: all of " + ", ".join(RUNS) + ")")
+    parser.add_argument("--only", help="comma-separated run names or groups (" + ", ".join(GROUPS)
+                        + "; default: cpu, every run but the pooled replication)")
     parser.add_argument("--tables", action="store_true", help="print the markdown tables from --out-dir and exit")
     args = parser.parse_args(argv)
     if args.tables:
         print(tables(args.out_dir))
         return 0
-    names = args.only.split(",") if args.only else list(RUNS)
+    names = [name for item in (args.only or "cpu").split(",") for name in GROUPS.get(item, [item])]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
-        parser.error(f"unknown run(s) {', '.join(unknown)}: choose from {', '.join(RUNS)}")
+        parser.error(f"unknown run(s) {', '.join(unknown)}: choose from the groups {', '.join(GROUPS)}, the runs "
+                     f"{', '.join(GROUPS['cpu'])} or pooled<seed>_<configuration> (seeds {POOLED_SEEDS[0]}-"
+                     f"{POOLED_SEEDS[-1]}, configurations {', '.join(POOLED_RUNS)})")
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
     os.makedirs(args.out_dir, exist_ok=True)

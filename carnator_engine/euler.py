@@ -6,6 +6,8 @@ run steps [start, end) from the latent entering `start`, calling the observer ar
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from .fingerprint import module_fingerprint
@@ -26,6 +28,10 @@ class TinyDiTRunner:
             self.text = model.encode_prompts(prompts)
         self.model_fingerprint = module_fingerprint(model)
         self.sampler = f"euler/cfg={guidance_scale:g}"
+        digest = hashlib.sha256()
+        for tensor in self.text:
+            digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        self.request_fingerprint = digest.hexdigest()
 
     @staticmethod
     def preview(latent: torch.Tensor) -> torch.Tensor:

@@ -92,20 +92,31 @@ class Decision:
     numbers: dict = field(default_factory=dict)
     reasons: list = field(default_factory=list)
     refine_step: Optional[int] = None     # the midway step whose model call re-estimates the target region
+    exact_repeat: bool = False            # the entry is this very request: its stored result, no model call
 
     @property
     def model_calls(self) -> int:
         return self.probe_steps + self.steps - self.resume_step + (self.refine_step is not None)
 
     @property
-    def expected_speedup(self) -> float:
-        return self.steps / self.model_calls
+    def expected_speedup(self) -> Optional[float]:
+        """None for an exact repeat, which makes no model call at all."""
+        return self.steps / self.model_calls if self.model_calls else None
 
     def summary(self) -> dict:
+        speedup = self.expected_speedup
         return {"reuse": self.reuse, "risk": self.risk, "entry_id": self.entry_id, "steps": self.steps,
                 "probe_steps": self.probe_steps, "resume_step": self.resume_step, "refine_step": self.refine_step,
-                "model_calls": self.model_calls, "expected_speedup": round(self.expected_speedup, 3),
-                "numbers": self.numbers, "reasons": self.reasons}
+                "model_calls": self.model_calls, "expected_speedup": None if speedup is None else round(speedup, 3),
+                "exact_repeat": self.exact_repeat, "numbers": self.numbers, "reasons": self.reasons}
+
+
+def exact_repeat(entry_id: str, steps: int, risk: str) -> Decision:
+    """The decision for a request whose every input matches an entry's: no probe, no gate, its stored result."""
+    return Decision(reuse=True, risk=risk, steps=steps, probe_steps=0, resume_step=steps, entry_id=entry_id,
+                    exact_repeat=True,
+                    reasons=[f"exact repeat of entry {entry_id}: same model, sampler, schedule, conditioning and "
+                             "noise, so its stored result is this request's result"])
 
 
 def _refine_step(checkpoints, probe_steps: int, resume: int) -> Optional[int]:

@@ -1,13 +1,17 @@
 """One request through Carnator: probe -> lookup -> gate -> resume (or continue) -> write-back.
 
 The four stages are separate functions so ComfyUI can expose each as a node; `generate` chains
-them. A runner is anything with `layout`, `model_fingerprint`, `sampler` (text naming everything
-else that shapes a trajectory: sampler, guidance), `run(x, sigmas, start, end, observer)` that
-runs steps [start, end) and returns the latent entering `end`, and `preview(latent)` giving an RGB
-frame [3, H, W] in [-1, 1] for the thumbnail.
+them, after `replay`: a request whose every input matches an earlier full generation gets that
+generation's stored result, with no model call. A runner is anything with `layout`,
+`model_fingerprint`, `sampler` (text naming everything else that shapes a trajectory: sampler,
+guidance), `request_fingerprint` (a digest of the request's own inputs besides the noise: its
+conditioning, a stochastic sampler's seed), `run(x, sigmas, start, end, observer)` that runs steps
+[start, end) and returns the latent entering `end`, and `preview(latent)` giving an RGB frame
+[3, H, W] in [-1, 1] for the thumbnail.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -68,6 +72,7 @@ class ProbeResult:
     sigmas: torch.Tensor
     probe_steps: int
     bucket: str
+    request_key: str
     seconds: float
 
     @property
@@ -100,10 +105,21 @@ def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list
                    for i in range(max_checkpoints)})
 
 
-def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> ProbeResult:
-    steps = len(sigmas) - 1
-    config.validate(steps)
+def _validate_request(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> None:
+    config.validate(len(sigmas) - 1)
     runner.layout.token_grid(noise.shape)  # raises a clear error for a latent of the wrong shape
+
+
+def request_key(runner, noise: torch.Tensor, bucket: str) -> str:
+    """Every input that shapes the request's output: its bucket (model, shape, schedule, sampler), the runner's
+    request fingerprint (conditioning, sampler seed) and the noise itself, whole."""
+    digest = hashlib.sha256(f"{bucket}|{runner.request_fingerprint}|".encode())
+    digest.update(noise.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> ProbeResult:
+    _validate_request(runner, noise, sigmas, config)
     started = time.perf_counter()
     recorder = SignatureRecorder(config.probe_steps, config.block_size)
     observer = GenerationObserver(signature=recorder)
@@ -111,7 +127,35 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     latent = runner.run(x, sigmas, 0, config.probe_steps, observer)
     bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
-                       time.perf_counter() - started)
+                       request_key(runner, noise, bucket), time.perf_counter() - started)
+
+
+def replay(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorStore,
+           config: CarnatorConfig) -> Optional[GenerationResult]:
+    """The stored result of an earlier full generation of exactly this request, with no model call; None when
+    the store has none (or only a corrupt one, which is reported and skipped).
+
+    Only full generations are replayed: their result is the request's own, whatever the risk setting. A
+    request that was itself a hit goes through the probe and the gate again, as any other request.
+    """
+    _validate_request(runner, noise, sigmas, config)
+    started = time.perf_counter()
+    bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
+    record = store.exact_repeat(bucket, request_key(runner, noise, bucket))
+    if record is None:
+        return None
+    try:
+        store.signature(record)  # an entry with any torn part is corrupt as a whole
+        final = store.trajectory(record).final
+    except StoreError:
+        return None
+    if final is None:
+        return None
+    steps = len(sigmas) - 1
+    store.record_hit(record.entry_id, steps_saved=steps)
+    decision = gate_module.exact_repeat(record.entry_id, steps, config.risk)
+    return GenerationResult(final.to(noise.device, torch.float32), decision, 0, None,
+                            {"replay": time.perf_counter() - started}, store.drain_problems())
 
 
 def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
@@ -175,10 +219,11 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
         entry_id = store.put(
             bucket=probed.bucket, prompt=prompt, seed=seed, steps=probed.steps, probe_steps=probed.probe_steps,
             signature=probed.signature,
-            payload=TrajectoryPayload(observer.checkpoints.latents, connectivity),
+            payload=TrajectoryPayload(observer.checkpoints.latents, connectivity,
+                                      final=None if decision.reuse else latent),
             latent_shape=probed.latent.shape, thumbnail=thumbnail_png(runner.preview(latent)),
             reused_from=decision.entry_id if decision.reuse else None,
-            extra={"decision": decision.summary()})
+            extra={"decision": decision.summary()}, request_key=probed.request_key)
     except StoreError as error:
         warnings.append(f"not stored: {error}")
         log.warning("carnator: %s", warnings[-1])
@@ -189,6 +234,9 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
 
 def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorStore, config: CarnatorConfig,
              prompt: str = "", seed: int = 0) -> GenerationResult:
+    replayed = replay(runner, noise, sigmas, store, config)
+    if replayed is not None:
+        return replayed
     probed = probe(runner, noise, sigmas, config)
     started = time.perf_counter()
     candidates = lookup(store, probed, config)
@@ -200,4 +248,4 @@ def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorS
 
 
 __all__ = ["CarnatorConfig", "ProbeResult", "GenerationResult", "Candidate", "probe", "lookup", "decide",
-           "resume", "generate", "follow_entry", "checkpoint_steps"]
+           "resume", "replay", "generate", "follow_entry", "checkpoint_steps", "request_key"]

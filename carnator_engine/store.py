@@ -2,9 +2,11 @@
 
 Each entry is four diskcache keys written in one transaction, metadata last:
   ("sig", id)   safetensors bytes of the Early Signature (read by every lookup, small)
-  ("blob", id)  safetensors bytes of trajectory checkpoints + attention connectivity (read on a hit)
+  ("blob", id)  safetensors bytes of trajectory checkpoints + attention connectivity + the final latent
+                (read on a hit)
   ("thumb", id) PNG thumbnail for the cache browser
-  ("meta", id)  a small dict: bucket, prompt, seed, steps, hits, sizes and the SHA-256 of sig and blob
+  ("meta", id)  a small dict: bucket, request key, prompt, seed, steps, hits, sizes and the SHA-256 of sig
+                and blob
 An entry whose metadata is missing is invisible; one whose bytes do not match their checksum,
 or do not parse, is reported and marked corrupt, and never reaches a generation.
 
@@ -72,6 +74,7 @@ class EntryRecord:
     reused_from: Optional[str] = None
     corrupt: Optional[str] = None
     extra: dict = field(default_factory=dict)
+    request_key: str = ""  # every input of the request (pipeline.request_key); "" in entries older than it
 
     @property
     def benefit(self) -> float:
@@ -80,10 +83,12 @@ class EntryRecord:
 
 @dataclass
 class TrajectoryPayload:
-    """What a hit needs from an entry: the latents entering chosen steps, and attention connectivity."""
+    """What a hit needs from an entry: the latents entering chosen steps, and attention connectivity; what an
+    exact repeat needs: the generation's final latent, kept at full precision."""
 
     checkpoints: dict          # step -> latent tensor (fp16, CPU)
     connectivity: dict         # name -> tensor (ConnectivityRecorder.tensors())
+    final: Optional[torch.Tensor] = None
 
 
 class CarnatorStore:
@@ -117,9 +122,11 @@ class CarnatorStore:
 
     def put(self, *, bucket: str, prompt: str, seed: int, steps: int, probe_steps: int,
             signature: EarlySignature, payload: TrajectoryPayload, latent_shape, thumbnail: bytes = b"",
-            reused_from: Optional[str] = None, extra: Optional[dict] = None) -> str:
+            reused_from: Optional[str] = None, extra: Optional[dict] = None, request_key: str = "") -> str:
         tensors = {f"checkpoint.{step}": latent.contiguous() for step, latent in payload.checkpoints.items()}
         tensors.update({f"connectivity.{name}": value.contiguous() for name, value in payload.connectivity.items()})
+        if payload.final is not None:
+            tensors["final"] = payload.final.detach().to("cpu").contiguous()
         blob = save_safetensors(tensors) if tensors else save_safetensors({"empty": torch.zeros(0)})
         sig = save_safetensors(signature.to_tensors())
         size = len(blob) + len(sig) + len(thumbnail)
@@ -132,7 +139,7 @@ class CarnatorStore:
             probe_steps=int(probe_steps), checkpoint_steps=sorted(int(s) for s in payload.checkpoints),
             latent_shape=[int(d) for d in latent_shape], created=now, last_used=now,
             sig_sha256=_sha256(sig), blob_sha256=_sha256(blob), size_bytes=size,
-            reused_from=reused_from, extra=dict(extra or {}))
+            reused_from=reused_from, extra=dict(extra or {}), request_key=request_key)
         entry = record.entry_id
         with self._cache.transact():
             self._cache.set(("sig", entry), sig)
@@ -201,6 +208,13 @@ class CarnatorStore:
                 found.append(record)
         return sorted(found, key=lambda r: r.created)
 
+    def exact_repeat(self, bucket: str, request_key: str) -> Optional[EntryRecord]:
+        """The newest full generation (no hit) of exactly this request, same bucket and request key, else None."""
+        if not request_key:
+            return None
+        same = [r for r in self.records(bucket) if r.request_key == request_key and r.reused_from is None]
+        return same[-1] if same else None
+
     def record(self, entry_id: str) -> EntryRecord:
         meta = self._cache.get(("meta", entry_id))
         if meta is None:
@@ -222,12 +236,16 @@ class CarnatorStore:
             raise self._mark_corrupt(record.entry_id, f"trajectory does not parse ({error})")
         checkpoints = {int(k.split(".", 1)[1]): v for k, v in tensors.items() if k.startswith("checkpoint.")}
         connectivity = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("connectivity.")}
+        final = tensors.get("final")
         expected = tuple(record.latent_shape)
-        for step, latent in checkpoints.items():
+        latents = {f"checkpoint {step}": latent for step, latent in checkpoints.items()}
+        if final is not None:
+            latents["the final latent"] = final
+        for name, latent in latents.items():
             if tuple(latent.shape) != expected:
-                raise self._mark_corrupt(record.entry_id, f"checkpoint {step} has shape {tuple(latent.shape)}, "
+                raise self._mark_corrupt(record.entry_id, f"{name} has shape {tuple(latent.shape)}, "
                                                           f"expected {expected}")
-        return TrajectoryPayload(checkpoints=checkpoints, connectivity=connectivity)
+        return TrajectoryPayload(checkpoints=checkpoints, connectivity=connectivity, final=final)
 
     def thumbnail(self, entry_id: str) -> bytes:
         return self._cache.get(("thumb", entry_id)) or b""

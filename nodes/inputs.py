@@ -152,6 +152,9 @@ def summary_text(summary: dict) -> str:
     calls = summary.get("model_calls")
     risk = summary.get("risk")
     stored = f"; stored as {summary['stored_as']}" if summary.get("stored_as") else ""
+    if summary.get("exact_repeat"):
+        return (f"Carnator REPEAT: every input matches entry {summary.get('entry_id')}, a full generation; its "
+                f"stored result, {calls} model steps of {steps}")
     if summary.get("reuse"):
         return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}; "
                 f"{calls} model steps of {steps}, expected {summary.get('expected_speedup')}x{stored}")

@@ -1,8 +1,8 @@
 """End to end in headless Chromium: a real ComfyUI (CPU) with the plugin; a workflow running a tiny Wan2.1
-model through the Carnator Sampler is queued twice from the web UI (same prompt and seed: a miss that
-stores an entry, then a hit on it), the decision shows on the node, then the Carnator sidebar tab lists
-the first entry (prompt, thumbnail, its hit), deletes it from the UI, then "Clear all" (cancelled once,
-confirmed once) empties the store.
+model through the Carnator Sampler is queued three times from the web UI (a miss that stores an entry,
+another seed, then the first request again: an exact repeat of the first entry), the decision shows on the
+node, then the Carnator sidebar tab lists the first entry (prompt, thumbnail, its hit), deletes it from the
+UI, then "Clear all" (cancelled once, confirmed once) empties the store.
 
 Needs the host (COMFYUI_PATH, default /opt/ComfyUI), Chromium (CARNATOR_CHROMIUM, default /usr/bin/chromium),
 node and playwright-core (cd tests/browser && npm install); skipped with the reason otherwise.
@@ -83,9 +83,12 @@ def test_cache_browser_and_decision_in_chromium(tmp_path):
         config = {
             "url": server.url, "screenshots": str(shots), "userDataDir": str(tmp_path / "chromium-profile"),
             "chromium": CHROMIUM, "expectPrompt": PROMPT, "workflow": workflow(os.path.basename(model_path)),
-            "queueCount": 2, "decisionNode": "6", "clearAll": True, "timeoutMs": 120000,
-            # a new cache size limit makes ComfyUI run the Carnator Sampler again; the request stays the same
-            "changeBeforeRepeat": {"node": "5", "widget": "size_limit_gb", "value": 1.5},
+            "queueCount": 3, "decisionNode": "6", "clearAll": True, "timeoutMs": 120000,
+            # run 2: other noise, a new request; run 3: the first request again (the new cache size limit only
+            # makes ComfyUI run the Carnator Sampler rather than answer from its own output cache)
+            "changesBeforeRun": {"2": [{"node": "6", "widget": "seed", "value": 43}],
+                                 "3": [{"node": "6", "widget": "seed", "value": 42},
+                                       {"node": "5", "widget": "size_limit_gb", "value": 1.5}]},
         }
         config_path = tmp_path / "e2e.json"
         config_path.write_text(json.dumps(config))
@@ -98,14 +101,16 @@ def test_cache_browser_and_decision_in_chromium(tmp_path):
     assert run.returncode == 0 and "error" not in result, \
         f"{result.get('error')}\n{run.stderr[-3000:]}\nserver:\n{server_log[-3000:]}"
 
-    # first run: a miss, stored; the repeat (same prompt and seed) hits that entry; the node shows the last
-    first, second = result["decisions"]
+    # run 1: a miss, stored; run 2 (other noise) is a request of its own, stored too; run 3 repeats run 1
+    # exactly: its stored result, no model call, nothing new stored. The node shows the last decision.
+    first, second, third = result["decisions"]
     assert first["node"] == "6" and first["reuse"] is False and first["steps"] == 10 and first["stored_as"]
-    assert second["reuse"] is True and second["entry_id"] == first["stored_as"], second["reasons"]
-    assert second["resume_step"] > second["probe_steps"] and second["model_calls"] < 10
-    assert result["decision"]["stored_as"] == second["stored_as"]
-    assert result["badge"] == f"HIT k={second['resume_step']}/10 · " + result["badge"].split(" · ")[1]
-    assert result["widgetText"].startswith(f"HIT: resume at step {second['resume_step']} of 10")
+    assert second["stored_as"] and second["stored_as"] != first["stored_as"] and not second["exact_repeat"]
+    assert third["exact_repeat"] is True and third["entry_id"] == first["stored_as"], third["reasons"]
+    assert third["model_calls"] == 0 and third["stored_as"] is None
+    assert result["decision"]["entry_id"] == first["stored_as"] and result["decision"]["exact_repeat"]
+    assert result["badge"] == "REPEAT · 0 model calls"
+    assert result["widgetText"].startswith(f"REPEAT: the stored result of entry {first['stored_as']}")
 
     # the sidebar listed the first entry with its prompt, thumbnail and hit; its delete button removed it
     assert result["entryId"] == first["stored_as"] and result["promptText"] == PROMPT

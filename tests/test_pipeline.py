@@ -1,8 +1,10 @@
+import hashlib
+
 import pytest
 import torch
 
 from carnator_engine.euler import TinyDiTRunner
-from carnator_engine.pipeline import CarnatorConfig, checkpoint_steps, generate, probe
+from carnator_engine.pipeline import CarnatorConfig, checkpoint_steps, decide, generate, lookup, probe, resume
 from carnator_engine.schedule import flow_sigmas
 from carnator_engine.store import CarnatorStore
 
@@ -21,10 +23,64 @@ def _run(model, store, prompt, seed, **kwargs):
     return generate(TinyDiTRunner(model, prompt), _noise(seed), SIGMAS, store, _config(**kwargs), prompt, seed)
 
 
+def _through_the_gate(model, store, prompt, seed, **kwargs):
+    """probe -> lookup -> gate -> resume, as the staged nodes run it: no exact-repeat replay."""
+    runner, config = TinyDiTRunner(model, prompt), _config(**kwargs)
+    probed = probe(runner, _noise(seed), SIGMAS, config)
+    decision = decide(probed, lookup(store, probed, config), config)
+    return resume(runner, probed, decision, store, config, prompt, seed)
+
+
+def test_exact_repeat_replays_the_stored_result_with_no_model_call(tiny_model, store, monkeypatch):
+    first = _run(tiny_model, store, "a red circle moving left", 1)
+    monkeypatch.setattr(TinyDiTRunner, "run", lambda *args: pytest.fail("an exact repeat ran the model"))
+    again = _run(tiny_model, store, "a red circle moving left", 1)
+    assert again.decision.exact_repeat and again.decision.entry_id == first.entry_id
+    assert again.model_calls == 0 == again.decision.model_calls and again.decision.expected_speedup is None
+    assert torch.equal(again.latent, first.latent)  # kept at full precision: the request's own result
+    assert again.entry_id is None and len(store.records()) == 1  # nothing new to store
+    assert store.record(first.entry_id).hits == 1 and store.record(first.entry_id).steps_saved == 12
+
+
+def test_exact_repeat_needs_every_input_to_match(tiny_model, store):
+    _run(tiny_model, store, "a red circle moving left", 1)
+    others = [_run(tiny_model, store, "a red circle moving left", 2),    # other noise
+              _run(tiny_model, store, "a red circle moving right", 1),   # other prompt
+              generate(TinyDiTRunner(tiny_model, "a red circle moving left", guidance_scale=2.0), _noise(1), SIGMAS,
+                       store, _config(), "a red circle moving left", 1)]  # other sampler
+    assert all(not r.decision.exact_repeat and r.model_calls > 0 for r in others)
+
+
+def test_a_hit_is_never_replayed_as_a_repeat(tiny_model, store):
+    first = _run(tiny_model, store, "a red circle moving left", 1)
+    hit = _through_the_gate(tiny_model, store, "a red circle moving left", 1)
+    assert hit.decision.reuse and not hit.decision.exact_repeat and hit.entry_id
+    assert store.trajectory(store.record(hit.entry_id)).final is None  # a hit's result is not the request's own
+    again = _run(tiny_model, store, "a red circle moving left", 1)
+    assert again.decision.exact_repeat and again.decision.entry_id == first.entry_id
+
+
+def test_a_corrupt_final_latent_is_reported_and_the_request_generated(tiny_model, store):
+    from safetensors.torch import load, save
+    first = _run(tiny_model, store, "a red circle moving left", 1)
+    record = store.record(first.entry_id)
+    tensors = load(store._cache.get(("blob", first.entry_id)))
+    tensors["final"] = tensors["final"][..., :-1].contiguous()  # a wrong shape under a valid checksum
+    blob = save(tensors)
+    meta = store._cache.get(("meta", first.entry_id))
+    meta["blob_sha256"] = hashlib.sha256(blob).hexdigest()
+    store._cache.set(("blob", first.entry_id), blob)
+    store._cache.set(("meta", first.entry_id), meta)
+    result = _run(tiny_model, store, "a red circle moving left", 1)
+    assert not result.decision.reuse and result.model_calls == 12
+    assert any(record.entry_id in w and "final latent has shape" in w for w in result.warnings)
+    torch.testing.assert_close(result.latent, first.latent, atol=1e-5, rtol=0)
+
+
 def test_miss_then_hit_saves_model_calls(tiny_model, store):
     first = _run(tiny_model, store, "a red circle moving left", 1)
     assert not first.decision.reuse and first.model_calls == 12 and first.entry_id
-    second = _run(tiny_model, store, "a red circle moving left", 1)
+    second = _through_the_gate(tiny_model, store, "a red circle moving left", 1)
     assert second.decision.reuse and second.decision.entry_id == first.entry_id
     assert second.decision.resume_step > 2
     assert second.model_calls == 2 + 12 - second.decision.resume_step < 12
@@ -81,7 +137,8 @@ def test_full_connectivity_resume_equals_dense_resume(tiny_model, tmp_path):
     for sparse in (True, False):
         s = CarnatorStore(str(tmp_path / f"c{sparse}"), 64 << 20)
         _run(tiny_model, s, "a blue square moving up", 3, attention_mass=1.0)
-        runs[sparse] = _run(tiny_model, s, "a blue square moving up", 3, attention_mass=1.0, sparse_attention=sparse)
+        runs[sparse] = _through_the_gate(tiny_model, s, "a blue square moving up", 3, attention_mass=1.0,
+                                         sparse_attention=sparse)
         assert runs[sparse].decision.reuse
     torch.testing.assert_close(runs[True].latent, runs[False].latent, atol=1e-5, rtol=1e-5)
 

@@ -137,29 +137,30 @@ class _LoadedWeights:
         return weights
 
 
-def _digest(digest, value, depth: int = 0) -> None:
-    """Adds a deterministic summary of a patch's data (tensors sampled, adapters by their weights)."""
+def _digest(digest, value, depth: int = 0, whole: bool = False) -> None:
+    """Adds a deterministic summary of a patch's or a conditioning's data (tensors sampled, or whole where two
+    values must never be taken for one another, adapters by their weights)."""
     if depth > 8:
         digest.update(b"<deep>")
     elif torch.is_tensor(value):
         flat = value.detach().reshape(-1)
         digest.update(f"T{tuple(value.shape)}{value.dtype}".encode())
         if flat.numel():
-            sample = flat[::max(1, flat.numel() // 4096)].to("cpu", torch.float32).contiguous()
-            digest.update(sample.numpy().tobytes())
+            sample = flat if whole else flat[::max(1, flat.numel() // 4096)]
+            digest.update(sample.to("cpu", torch.float32).contiguous().numpy().tobytes())
     elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         digest.update(repr(value).encode())
     elif isinstance(value, (list, tuple)):
         digest.update(f"[{len(value)}".encode())
         for item in value:
-            _digest(digest, item, depth + 1)
+            _digest(digest, item, depth + 1, whole)
     elif isinstance(value, dict):
         for key in sorted(value, key=str):
             digest.update(str(key).encode())
-            _digest(digest, value[key], depth + 1)
+            _digest(digest, value[key], depth + 1, whole)
     elif hasattr(value, "weights"):  # comfy.weight_adapter adapters (LoRA, LoHa, LoKr, ...)
         digest.update(type(value).__qualname__.encode())
-        _digest(digest, value.weights, depth + 1)
+        _digest(digest, value.weights, depth + 1, whole)
     else:
         digest.update(getattr(value, "__qualname__", type(value).__qualname__).encode())
 
@@ -202,6 +203,15 @@ def model_fingerprint(model, backbone: HostBackbone) -> str:
     if hooks:
         parts.append("hooks=" + ",".join(sorted(_patches_digest(p) for p in hooks.values())))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def conditioning_fingerprint(positive, negative, seed: int) -> str:
+    """The request's own inputs besides its noise: both conditionings whole (tensors and options such as
+    timestep ranges or masks) and the seed, which stochastic samplers draw their step noise from."""
+    digest = hashlib.sha256(f"seed={int(seed)}".encode())
+    for conditioning in (positive, negative):
+        _digest(digest, conditioning, whole=True)
+    return digest.hexdigest()
 
 
 _GUIDANCE_OPTIONS = ("sampler_cfg_function", "sampler_pre_cfg_function", "sampler_post_cfg_function",
@@ -351,7 +361,8 @@ def _attention_override(run: _Run, previous):
 # ---- the runner -------------------------------------------------------------------------------
 
 class ComfyRunner:
-    """Runner for a ComfyUI MODEL: `layout`, `model_fingerprint`, `sampler`, `run`, `preview`."""
+    """Runner for a ComfyUI MODEL: `layout`, `model_fingerprint`, `sampler`, `request_fingerprint`, `run`,
+    `preview`."""
 
     def __init__(self, model, positive, negative, cfg: float, sampler_name: str, scheduler: Optional[str] = None,
                  sigmas: Optional[torch.Tensor] = None, steps: Optional[int] = None, seed: int = 0,
@@ -385,6 +396,7 @@ class ComfyRunner:
         guidance = _guidance_text(model.model_options)
         self.sampler = f"{sampler_name}/cfg={cfg:g}" + (f"/{guidance}" if guidance else "")
         self.model_fingerprint = model_fingerprint(model, self.backbone)
+        self.request_fingerprint = conditioning_fingerprint(positive, negative, self.seed)
 
     @staticmethod
     def schedule(model, sampler_name: str, scheduler: str, steps: int) -> torch.Tensor:
@@ -482,4 +494,4 @@ class ComfyRunner:
 
 
 __all__ = ["ComfyRunner", "UnsupportedModelError", "HostBackbone", "backbone_for", "model_fingerprint",
-           "host_version", "HOOK_KEY", "SUPPORTED_TEXT"]
+           "conditioning_fingerprint", "host_version", "HOOK_KEY", "SUPPORTED_TEXT"]

@@ -4,9 +4,10 @@
 //
 // CONFIG: {url, screenshots (dir), userDataDir, chromium (default /usr/bin/chromium), expectPrompt,
 //          workflow (optional API-format prompt: loaded into the UI and queued from it),
-//          queueCount (how many times to queue it, same seed),
-//          changeBeforeRepeat ({node, widget, value}: a widget changed before each repeat, so ComfyUI runs
-//          the prompt again instead of answering from its own output cache),
+//          queueCount (how many times to queue it; "control_after_generate" is set to fixed),
+//          changesBeforeRun ({run number: [{node, widget, value}, ...]}: widgets set before that run, a new
+//          request or only a reason for ComfyUI to run the prompt again rather than answer from its own
+//          output cache),
 //          entryId (entry to find and delete; default: the entry the first run stored, else the first
 //          entry showing expectPrompt),
 //          decisionNode (optional node id whose "carnator.decision" badge must appear),
@@ -90,12 +91,11 @@ try {
       }
     }, config.workflow);
     for (let run = 1; run <= (config.queueCount || 1); run += 1) {
-      if (run > 1 && config.changeBeforeRepeat) {
-        // ComfyUI would answer an identical prompt from its own output cache without running anything
+      for (const change of (config.changesBeforeRun || {})[run] || []) {
         await page.evaluate(({ node: id, widget: name, value }) => {
           const node = window.app.graph.getNodeById(id) || window.app.graph.getNodeById(Number(id));
           node.widgets.find((w) => w.name === name).value = value;
-        }, config.changeBeforeRepeat);
+        }, change);
       }
       log(`queue run ${run} from the UI`);
       await page.evaluate(() => window.app.queuePrompt(0, 1));

@@ -61,6 +61,11 @@ test("decision badge and lines", () => {
     expected_speedup: 1, reasons: ["no earlier generation"] };
   assert.equal(decisionBadge(miss).text, "MISS · 30 steps");
   assert.equal(decisionLines(miss)[0], "MISS: full run of 30 steps · risk safe");
+  const repeat = { node: "7", reuse: true, exact_repeat: true, risk: "balanced", resume_step: 30, probe_steps: 0,
+    steps: 30, model_calls: 0, expected_speedup: null, entry_id: "0123456789abcdef", reasons: ["exact repeat"] };
+  assert.equal(decisionBadge(repeat).text, "REPEAT · 0 model calls");
+  assert.equal(decisionLines(repeat)[0], "REPEAT: the stored result of entry 0123456789abcdef, a full generation of the same inputs");
+  assert.ok(decisionLines(repeat).includes("probe 0 steps · 0 model calls"));
   assert.equal(decisionBadge(null).text, "");
   assert.equal(decisionBadge({ error: "boom" }).text, "Carnator: error");
   assert.equal(formatSpeedup(12.345), "12.3×");

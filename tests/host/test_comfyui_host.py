@@ -41,8 +41,15 @@ def sample(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STE
                                                   attention_density, unique_id=unique_id, prompt=prompt)
     latent_out, summary_json = out["result"]
     summary = json.loads(summary_json)
-    assert out["ui"]["text"][0].startswith("Carnator HIT" if summary["reuse"] else "Carnator MISS")
+    verdict = "REPEAT" if summary["exact_repeat"] else "HIT" if summary["reuse"] else "MISS"
+    assert out["ui"]["text"][0].startswith("Carnator " + verdict)
     return latent_out, summary
+
+
+def nudged(conditioning):
+    """The same conditioning a hair off (a creator's one-word edit, at its smallest): a new request, so a reuse
+    goes through the probe and the gate rather than replaying an exact repeat."""
+    return [[tensor * 1.001, dict(options)] for tensor, options in conditioning]
 
 
 def store_state(store):
@@ -154,7 +161,7 @@ def test_sampler_node_miss_then_hit_with_fewer_model_calls(comfy, plugin, counte
     assert cache.thumbnail(miss["stored_as"]).startswith(b"\x89PNG")              # from Wan's latent->RGB
     assert first["samples"].shape == latent["samples"].shape
 
-    second, hit = sample(comfy, counted.model, cache, positive, negative, latent)
+    second, hit = sample(comfy, counted.model, cache, nudged(positive), negative, latent)
     hit_calls = counted.take()
     assert hit["reuse"] and hit["entry_id"] == miss["stored_as"]
     assert hit["resume_step"] > PROBE
@@ -162,9 +169,32 @@ def test_sampler_node_miss_then_hit_with_fewer_model_calls(comfy, plugin, counte
     assert hit_calls == PROBE + STEPS - hit["resume_step"] == hit["model_calls"]
     assert cache.record(miss["stored_as"]).hits == 1
     relative = (second["samples"] - first["samples"]).norm() / first["samples"].norm()
-    assert relative < 0.05, f"a hit on the identical request drifted by {relative:.3f}"
+    assert relative < 0.05, f"a hit on the nearly identical request drifted by {relative:.3f}"
     print(f"\nmiss: {miss_calls} forward calls; hit: {hit_calls} (resume at step {hit['resume_step']} of {STEPS}); "
           f"relative difference of the hit's latent {relative:.2e}")
+
+
+def test_sampler_node_replays_an_exact_repeat_with_no_model_call(comfy, plugin, counted, conds, latent, tmp_path):
+    from carnator_engine.hosts.comfyui import conditioning_fingerprint
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    first, miss = sample(comfy, counted.model, cache, positive, negative, latent)
+    counted.take()
+    again, repeat = sample(comfy, counted.model, cache, positive, negative, latent)
+    assert counted.take() == 0 and repeat["model_calls"] == 0
+    assert repeat["exact_repeat"] and repeat["entry_id"] == miss["stored_as"] and repeat["stored_as"] is None
+    assert torch.equal(again["samples"], first["samples"])
+    assert [(r.entry_id, r.hits, r.steps_saved) for r in cache.records()] == [(miss["stored_as"], 1, STEPS)]
+    # what a repeat must match besides the noise: both conditionings whole, their options, the sampler's seed
+    base = conditioning_fingerprint(positive, negative, SEED)
+    ranged = [[positive[0][0], {"start_percent": 0.5, "end_percent": 1.0}]]   # ConditioningSetTimestepRange
+    one_value = [[positive[0][0].clone(), {}]]
+    one_value[0][0][0, -1, -1] += 1.0                                           # where a sampled digest looks not
+    assert len({base, conditioning_fingerprint(ranged, negative, SEED), conditioning_fingerprint(one_value, negative,
+                SEED), conditioning_fingerprint(positive, positive, SEED),
+                conditioning_fingerprint(positive, negative, SEED + 1)}) == 5
+    _, other_seed = sample(comfy, counted.model, cache, positive, negative, latent, seed=SEED + 1)
+    assert not other_seed["exact_repeat"] and counted.take() == other_seed["model_calls"] > 0
 
 
 def test_restart_of_the_process_still_hits(comfy, plugin, counted, conds, latent, tmp_path, host_dirs, model_name):
@@ -172,7 +202,7 @@ def test_restart_of_the_process_still_hits(comfy, plugin, counted, conds, latent
     cache_dir = tmp_path / "cache"
     _, miss = sample(comfy, counted.model, open_cache(comfy, cache_dir), positive, negative, latent)
     assert not miss["reuse"]
-    torch.save({"positive": positive[0][0], "negative": negative[0][0], "samples": latent["samples"]},
+    torch.save({"positive": nudged(positive)[0][0], "negative": negative[0][0], "samples": latent["samples"]},
                tmp_path / "request.pt")
     env = dict(os.environ, COMFYUI_PATH=hostsetup.comfyui_path())
     completed = subprocess.run(
@@ -366,7 +396,7 @@ def test_ltx_video_model_miss_then_hit(comfy, plugin, conds, tmp_path, host_dirs
     cache = open_cache(comfy, tmp_path / "cache")
     _, miss = sample(comfy, counter.model, cache, positive, negative, latent, cfg=3.0)
     assert not miss["reuse"] and counter.take() == STEPS
-    _, hit = sample(comfy, counter.model, cache, positive, negative, latent, cfg=3.0)
+    _, hit = sample(comfy, counter.model, cache, nudged(positive), negative, latent, cfg=3.0)
     assert hit["reuse"] and hit["resume_step"] > PROBE and counter.take() == hit["model_calls"] < STEPS
 
 

@@ -76,6 +76,7 @@ export function decisionBadge(decision) {
   if (!decision) return { text: "", fg: "#ffffff", bg: "#555555" };
   if (decision.error) return { text: "Carnator: error", fg: "#ffffff", bg: "#b3261e" };
   const steps = Number(decision.steps);
+  if (decision.exact_repeat) return { text: "REPEAT · 0 model calls", fg: "#ffffff", bg: "#1b5e20" };
   if (decision.reuse) {
     return {
       text: `HIT k=${decision.resume_step}/${steps} · ${formatSpeedup(decision.expected_speedup)}`,
@@ -92,7 +93,9 @@ export function decisionLines(decision) {
   if (decision.error) return [`Carnator error: ${decision.error}`];
   const lines = [];
   const risk = decision.risk ? ` · risk ${decision.risk}` : "";
-  if (decision.reuse) {
+  if (decision.exact_repeat) {
+    lines.push(`REPEAT: the stored result of entry ${decision.entry_id}, a full generation of the same inputs`);
+  } else if (decision.reuse) {
     lines.push(`HIT: resume at step ${decision.resume_step} of ${decision.steps}${risk}`);
     if (decision.entry_id) lines.push(`reused entry ${decision.entry_id}`);
   } else {
@@ -100,7 +103,8 @@ export function decisionLines(decision) {
   }
   const calls = Number.isFinite(Number(decision.model_calls)) ? `${decision.model_calls} model calls` : "";
   const probe = Number.isFinite(Number(decision.probe_steps)) ? `probe ${decision.probe_steps} steps` : "";
-  lines.push([probe, calls, `expected ${formatSpeedup(decision.expected_speedup)}`].filter(Boolean).join(" · "));
+  const speedup = decision.exact_repeat ? "" : `expected ${formatSpeedup(decision.expected_speedup)}`;
+  lines.push([probe, calls, speedup].filter(Boolean).join(" · "));
   if (decision.stored_as) lines.push(`stored as ${decision.stored_as}`);
   for (const warning of decision.warnings || []) lines.push(`warning: ${warning}`);
   for (const reason of decision.reasons || []) lines.push(`• ${reason}`);
