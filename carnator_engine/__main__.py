@@ -20,6 +20,8 @@ DEMO_SESSION = [
                                    "size": "large", "speed": "slow"}, 1),
     ("same prompt, same seed", {"color": "red", "shape": "circle", "direction": "right", "background": "black",
                                 "size": "large", "speed": "slow"}, 1),
+    ("size edit", {"color": "red", "shape": "circle", "direction": "right", "background": "black",
+                   "size": "small", "speed": "slow"}, 1),
     ("colour edit", {"color": "green", "shape": "circle", "direction": "right", "background": "black",
                      "size": "large", "speed": "slow"}, 1),
     ("direction swap (reads alike)", {"color": "red", "shape": "circle", "direction": "left",
@@ -73,13 +75,14 @@ def run_demo(args) -> int:
         read = world.analyze(result.latent[0].clamp(-1, 1))
         correct = sum(read[name] == attributes[name] for name in world.ATTRIBUTES)
         rows.append({"request": label, "prompt": text, "seed": seed, "reuse": result.decision.reuse,
+                     "exact_repeat": result.decision.exact_repeat,
                      "resume_step": result.decision.resume_step, "model_calls": result.model_calls,
                      "seconds": round(seconds, 3), "attributes_correct": f"{correct}/{len(world.ATTRIBUTES)}",
                      "read_back": read, "reasons": result.decision.reasons})
     header = f"{'request':30} {'decision':8} {'k':>3} {'calls':>5} {'sec':>6}  attributes"
     print(header + "\n" + "-" * len(header))
     for row in rows:
-        decision = "HIT" if row["reuse"] else "miss"
+        decision = "repeat" if row["exact_repeat"] else "HIT" if row["reuse"] else "miss"
         print(f"{row['request']:30} {decision:8} {row['resume_step']:>3} {row['model_calls']:>5} "
               f"{row['seconds']:>6.2f}  {row['attributes_correct']}")
     total = sum(r["model_calls"] for r in rows)

@@ -87,3 +87,22 @@ def test_training_from_earlier_weights_records_them(tmp_path):
     assert report["initialized_from"]["weights"] == DEMO_WEIGHTS
     assert report["initialized_from"]["sha256"] == digest     # which weights this run continued
     assert out.stat().st_size > 0
+
+
+@needs_weights
+def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, capsys):
+    from carnator_engine.__main__ import main
+    report = tmp_path / "demo.json"
+    assert main(["demo", "--cache", str(tmp_path / "cache"), "--json", str(report)]) == 0
+    rows = {row["request"]: row for row in json.loads(report.read_text())["rows"]}
+    repeat = rows["same prompt, same seed"]
+    assert repeat["exact_repeat"] and repeat["model_calls"] == 0
+    assert rows["size edit"]["reuse"] and not rows["size edit"]["exact_repeat"]
+    assert 0 < rows["size edit"]["model_calls"] < DEMO_STEPS
+    assert "same prompt, same seed         repeat" in capsys.readouterr().out
+
+
+def test_demo_without_weights_names_the_missing_file(tmp_path, capsys):
+    from carnator_engine.__main__ import main
+    assert main(["demo", "--weights", str(tmp_path / "none.safetensors")]) == 2
+    assert "demo weights not found" in capsys.readouterr().err
