@@ -191,9 +191,8 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
               config: CarnatorConfig):
     """Runs the rest of the trajectory; returns (latent, observer, connectivity state to store)."""
     steps = probed.steps
-    # a hit keeps the latent it resumed with too, so a later request can resume from it at that step as well
     keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
-                     if s >= decision.resume_step)
+                     if s > decision.resume_step)
     observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
     if not decision.reuse:
         record_step = max(probed.probe_steps, int(0.3 * steps))
