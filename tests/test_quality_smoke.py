@@ -104,3 +104,36 @@ def test_gate_ceiling_takes_the_furthest_safe_resume_of_each_request(tmp_path):
     assert table[1].startswith("| resume step | calls saved | main, fresh (no reuse ")
     assert len(table) == 3 + len(steps) + 1 and table[-1].startswith("| oracle (hindsight) |")
     assert suite.ceiling_table(str(tmp_path / "nothing")) == []
+
+
+def test_pooled_sets_add_up_with_a_paired_interval(tmp_path, capsys):
+    import math
+
+    import pytest
+    suite = _script("quality_suite")
+    assert suite.request_set("pooled3_aggressive") == "pooled3"
+    assert suite.request_set("replication_seed1") == "replication" and suite.request_set("own_jump_11") == "main"
+    assert set(suite.GROUPS["pooled"]) == {f"pooled{s}_{c}" for s in suite.POOLED_SEEDS for c in suite.POOLED_RUNS}
+    assert not set(suite.GROUPS["pooled"]) & set(suite.GROUPS["cpu"])
+    with pytest.raises(SystemExit):
+        suite.main(["--only", "pooled1_balanced"])
+    assert "pooled<seed>_<configuration> (seeds 2-9" in capsys.readouterr().err
+
+    one = {"requests": 100, "hit_rate": 0.5, "model_calls_saved": 0.1, "attribute_accuracy": 0.9,
+           "wrong_accepts": 2, "made_wrong": 3, "made_right": 1, "exact_repeats": 2}
+    pooled = suite.pool([one, {**one, "made_wrong": 1, "made_right": 1, "exact_repeats": 0}])
+    assert (pooled["requests"], pooled["made_wrong"], pooled["made_right"], pooled["exact_repeats"]) == (200, 4, 2, 2)
+    assert pooled["change"] == pytest.approx(-0.01)
+    half_width = 1.96 * math.sqrt((6 / 200 - 0.01 ** 2) / 200)   # per-request flips of -1, 0, +1
+    assert pooled["change_high"] - pooled["change"] == pytest.approx(half_width)
+    assert pooled["change"] - pooled["change_low"] == pytest.approx(half_width)
+    older = {k: v for k, v in one.items() if k != "exact_repeats"}
+    assert suite.pool([one, older])["exact_repeats"] == "not replayed"
+
+    reference = {**one, "hit_rate": 0.0, "model_calls_saved": 0.0, "made_wrong": 0, "made_right": 0, "exact_repeats": 0}
+    for seed in (2, 3):
+        table = {"no_reuse": reference, "carnator": one}
+        report = {"results": {"iteration_stream": table, "adversarial_pairs": table}}
+        (tmp_path / f"quality_pooled{seed}_balanced.json").write_text(json.dumps(report))
+    markdown = suite.tables(str(tmp_path))
+    assert "| balanced | fresh | 2 | Carnator | 200 | 50% (4) | 10% | 90.0% (90.0%) | -2.0 (" in markdown
