@@ -111,9 +111,10 @@ class Decision:
                 "exact_repeat": self.exact_repeat, "numbers": self.numbers, "reasons": self.reasons}
 
 
-def exact_repeat(entry_id: str, steps: int, risk: str) -> Decision:
-    """The decision for a request whose every input matches an entry's: no probe, no gate, its stored result."""
-    return Decision(reuse=True, risk=risk, steps=steps, probe_steps=0, resume_step=steps, entry_id=entry_id,
+def exact_repeat(entry_id: str, steps: int, risk: str, probe_steps: int = 0) -> Decision:
+    """The decision for a request whose every input matches a full generation's: its stored result, with no
+    model call beyond the probe steps already run (none when the repeat is found before probing)."""
+    return Decision(reuse=True, risk=risk, steps=steps, probe_steps=probe_steps, resume_step=steps, entry_id=entry_id,
                     exact_repeat=True,
                     reasons=[f"exact repeat of entry {entry_id}: same model, sampler, schedule, conditioning and "
                              "noise, so its stored result is this request's result"])

@@ -11,6 +11,7 @@ conditioning, a stochastic sampler's seed), `run(x, sigmas, start, end, observer
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -142,20 +143,27 @@ def replay(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorSto
     started = time.perf_counter()
     bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
     record = store.exact_repeat(bucket, request_key(runner, noise, bucket))
-    if record is None:
-        return None
-    try:
-        store.signature(record)  # an entry with any torn part is corrupt as a whole
-        final = store.trajectory(record).final
-    except StoreError:
-        return None
+    final = _stored_final(store, record) if record is not None else None
     if final is None:
         return None
-    steps = len(sigmas) - 1
-    store.record_hit(record.entry_id, steps_saved=steps)
-    decision = gate_module.exact_repeat(record.entry_id, steps, config.risk)
-    return GenerationResult(final.to(noise.device, torch.float32), decision, 0, None,
-                            {"replay": time.perf_counter() - started}, store.drain_problems())
+    decision = gate_module.exact_repeat(record.entry_id, len(sigmas) - 1, config.risk)
+    return _replayed(final.to(noise.device), decision, store, {"replay": time.perf_counter() - started}, [])
+
+
+def _stored_final(store: CarnatorStore, record) -> Optional[torch.Tensor]:
+    """A full generation's final latent, or None if the entry lacks one or is torn (reported by the store)."""
+    try:
+        store.signature(record)  # an entry with any torn part is corrupt as a whole
+        return store.trajectory(record).final
+    except StoreError:
+        return None
+
+
+def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: CarnatorStore, seconds: dict,
+              warnings: list) -> GenerationResult:
+    store.record_hit(decision.entry_id, steps_saved=decision.steps - decision.model_calls)
+    return GenerationResult(final.to(torch.float32), decision, decision.model_calls, None, seconds,
+                            warnings + store.drain_problems())
 
 
 def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
@@ -163,6 +171,11 @@ def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) ->
 
 
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gate_module.Decision:
+    """The gate's decision, unless a candidate is a full generation of exactly this request: then its result."""
+    for candidate in candidates:
+        record = candidate.record
+        if record.request_key == probed.request_key and record.reused_from is None:
+            return gate_module.exact_repeat(record.entry_id, probed.steps, config.risk, probed.probe_steps)
     return gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk)
 
 
@@ -209,11 +222,21 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
 
 def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
            config: CarnatorConfig, prompt: str = "", seed: int = 0) -> GenerationResult:
-    """Finishes the request (from the cache on a hit, from the probe state on a miss) and stores it."""
+    """Finishes the request (from the cache on a hit, from the probe state on a miss) and stores it; an exact
+    repeat returns its entry's result, or is generated in full if that entry can no longer be read."""
     started = time.perf_counter()
+    warnings = []
+    if decision.exact_repeat:
+        final = _stored_final(store, store.record(decision.entry_id))
+        if final is not None:
+            return _replayed(final.to(probed.latent.device), decision, store,
+                             {"probe": probed.seconds, "replay": time.perf_counter() - started}, [])
+        warnings.append(f"entry {decision.entry_id} could not be replayed: this request was generated in full")
+        decision = dataclasses.replace(decision, reuse=False, exact_repeat=False, entry_id=None,
+                                       resume_step=probed.probe_steps, reasons=warnings[-1:])
     latent, observer, connectivity = _continue(runner, probed, decision, store, config)
     seconds = {"probe": probed.seconds, "resume": time.perf_counter() - started}
-    warnings, entry_id = [], None
+    entry_id = None
     written = time.perf_counter()
     try:
         entry_id = store.put(

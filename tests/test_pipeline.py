@@ -23,10 +23,11 @@ def _run(model, store, prompt, seed, **kwargs):
     return generate(TinyDiTRunner(model, prompt), _noise(seed), SIGMAS, store, _config(**kwargs), prompt, seed)
 
 
-def _through_the_gate(model, store, prompt, seed, **kwargs):
-    """probe -> lookup -> gate -> resume, as the staged nodes run it: no exact-repeat replay."""
+def _through_the_gate(model, store, prompt, seed, nudge=0.0, **kwargs):
+    """probe -> lookup -> gate -> resume, as the staged nodes run it. `nudge` scales the noise by 1 + nudge: a
+    request a hair off the one with that seed, so it goes through the gate rather than being an exact repeat."""
     runner, config = TinyDiTRunner(model, prompt), _config(**kwargs)
-    probed = probe(runner, _noise(seed), SIGMAS, config)
+    probed = probe(runner, _noise(seed) * (1 + nudge), SIGMAS, config)
     decision = decide(probed, lookup(store, probed, config), config)
     return resume(runner, probed, decision, store, config, prompt, seed)
 
@@ -52,12 +53,35 @@ def test_exact_repeat_needs_every_input_to_match(tiny_model, store):
 
 
 def test_a_hit_is_never_replayed_as_a_repeat(tiny_model, store):
-    first = _run(tiny_model, store, "a red circle moving left", 1)
-    hit = _through_the_gate(tiny_model, store, "a red circle moving left", 1)
+    _run(tiny_model, store, "a red circle moving left", 1)
+    hit = _through_the_gate(tiny_model, store, "a red circle moving left", 1, nudge=1e-4)
     assert hit.decision.reuse and not hit.decision.exact_repeat and hit.entry_id
     assert store.trajectory(store.record(hit.entry_id)).final is None  # a hit's result is not the request's own
-    again = _run(tiny_model, store, "a red circle moving left", 1)
+    again = _through_the_gate(tiny_model, store, "a red circle moving left", 1, nudge=1e-4)
+    assert again.decision.reuse and not again.decision.exact_repeat and again.model_calls > 2
+
+
+def test_the_staged_path_answers_an_exact_repeat_after_its_probe(tiny_model, store):
+    first = _run(tiny_model, store, "a red circle moving left", 1)
+    again = _through_the_gate(tiny_model, store, "a red circle moving left", 1)
     assert again.decision.exact_repeat and again.decision.entry_id == first.entry_id
+    assert again.model_calls == 2 == again.decision.model_calls  # the probe's steps, nothing more
+    assert torch.equal(again.latent, first.latent) and len(store.records()) == 1
+    assert store.record(first.entry_id).steps_saved == 12 - 2
+
+
+def test_a_staged_exact_repeat_whose_entry_is_gone_is_generated_in_full(tiny_model, store):
+    first = _run(tiny_model, store, "a red circle moving left", 1)
+    runner, config = TinyDiTRunner(tiny_model, "a red circle moving left"), _config()
+    probed = probe(runner, _noise(1), SIGMAS, config)
+    decision = decide(probed, lookup(store, probed, config), config)
+    assert decision.exact_repeat
+    store._cache.set(("blob", first.entry_id), b"torn")  # between the gate and the resume
+    result = resume(runner, probed, decision, store, config)
+    assert not result.decision.reuse and result.model_calls == 12 and result.entry_id
+    assert any("could not be replayed" in w for w in result.warnings)
+    assert any(first.entry_id in w and "checksum" in w for w in result.warnings)
+    torch.testing.assert_close(result.latent, first.latent, atol=1e-5, rtol=0)
 
 
 def test_a_corrupt_final_latent_is_reported_and_the_request_generated(tiny_model, store):
@@ -80,7 +104,7 @@ def test_a_corrupt_final_latent_is_reported_and_the_request_generated(tiny_model
 def test_miss_then_hit_saves_model_calls(tiny_model, store):
     first = _run(tiny_model, store, "a red circle moving left", 1)
     assert not first.decision.reuse and first.model_calls == 12 and first.entry_id
-    second = _through_the_gate(tiny_model, store, "a red circle moving left", 1)
+    second = _through_the_gate(tiny_model, store, "a red circle moving left", 1, nudge=1e-4)
     assert second.decision.reuse and second.decision.entry_id == first.entry_id
     assert second.decision.resume_step > 2
     assert second.model_calls == 2 + 12 - second.decision.resume_step < 12
@@ -137,9 +161,9 @@ def test_full_connectivity_resume_equals_dense_resume(tiny_model, tmp_path):
     for sparse in (True, False):
         s = CarnatorStore(str(tmp_path / f"c{sparse}"), 64 << 20)
         _run(tiny_model, s, "a blue square moving up", 3, attention_mass=1.0)
-        runs[sparse] = _through_the_gate(tiny_model, s, "a blue square moving up", 3, attention_mass=1.0,
-                                         sparse_attention=sparse)
-        assert runs[sparse].decision.reuse
+        runs[sparse] = _through_the_gate(tiny_model, s, "a blue square moving up", 3, nudge=1e-4,
+                                         attention_mass=1.0, sparse_attention=sparse)
+        assert runs[sparse].decision.reuse and not runs[sparse].decision.exact_repeat
     torch.testing.assert_close(runs[True].latent, runs[False].latent, atol=1e-5, rtol=1e-5)
 
 

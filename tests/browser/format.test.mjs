@@ -66,6 +66,7 @@ test("decision badge and lines", () => {
   assert.equal(decisionBadge(repeat).text, "REPEAT · 0 model calls");
   assert.equal(decisionLines(repeat)[0], "REPEAT: the stored result of entry 0123456789abcdef, a full generation of the same inputs");
   assert.ok(decisionLines(repeat).includes("probe 0 steps · 0 model calls"));
+  assert.equal(decisionBadge({ ...repeat, probe_steps: 3, model_calls: 3 }).text, "REPEAT · 3 model calls");
   assert.equal(decisionBadge(null).text, "");
   assert.equal(decisionBadge({ error: "boom" }).text, "Carnator: error");
   assert.equal(formatSpeedup(12.345), "12.3×");

@@ -285,9 +285,9 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
         instance=types.SimpleNamespace(send_sync=lambda event, data, sid=None: events.append((event, data))))
     monkeypatch.setitem(sys.modules, "server", fake_server)
 
-    def run_stages(risk="balanced", **thresholds):
-        probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED, STEPS, CFG,
-                                                        "euler", "simple", PROBE, 64, unique_id="3", prompt=None)[0]
+    def run_stages(risk="balanced", request_positive=positive, **thresholds):
+        probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, request_positive, negative, latent, SEED, STEPS,
+                                                        CFG, "euler", "simple", PROBE, 64, unique_id="3", prompt=None)[0]
         matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
         gate = node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, risk, unique_id="4", **thresholds)
         decision, decision_json = gate["result"]
@@ -298,13 +298,19 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
     assert not first_decision["reuse"] and json.loads(summary_json)["stored_as"]
     assert latent_out["samples"].shape == latent["samples"].shape
     counted.take()
-    probe, matches, decision, (_, summary_json) = run_stages("safe", max_hidden=0.5, min_saved_steps=2)
-    assert decision["reuse"] and decision["resume_step"] > PROBE
+    probe, matches, decision, (_, summary_json) = run_stages("balanced", nudged(positive), max_hidden=0.5,
+                                                             min_saved_steps=2)
+    assert decision["reuse"] and not decision["exact_repeat"] and decision["resume_step"] > PROBE, decision["reasons"]
     assert counted.take() == PROBE + STEPS - decision["resume_step"]
     assert json.loads(summary_json)["entry_id"] == decision["entry_id"]
     gate_events = [data for event, data in events if event == "carnator.decision" and data["node"] == "4"]
     assert [e["reuse"] for e in gate_events] == [False, True]
     assert {"resume_step", "risk", "expected_speedup", "reasons"} <= set(gate_events[-1])
+
+    _, _, repeat, (repeated, summary_json) = run_stages()      # the first request again, exactly
+    assert repeat["exact_repeat"] and repeat["entry_id"] == json.loads(summary_json)["entry_id"]
+    assert counted.take() == PROBE == json.loads(summary_json)["model_calls"]
+    assert torch.equal(repeated["samples"], latent_out["samples"])
 
     other_probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED + 1, STEPS,
                                                           CFG, "euler", "simple", PROBE, 64)[0]

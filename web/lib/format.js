@@ -76,7 +76,10 @@ export function decisionBadge(decision) {
   if (!decision) return { text: "", fg: "#ffffff", bg: "#555555" };
   if (decision.error) return { text: "Carnator: error", fg: "#ffffff", bg: "#b3261e" };
   const steps = Number(decision.steps);
-  if (decision.exact_repeat) return { text: "REPEAT · 0 model calls", fg: "#ffffff", bg: "#1b5e20" };
+  if (decision.exact_repeat) {
+    const calls = Number(decision.model_calls) || 0;
+    return { text: `REPEAT · ${calls} model ${calls === 1 ? "call" : "calls"}`, fg: "#ffffff", bg: "#1b5e20" };
+  }
   if (decision.reuse) {
     return {
       text: `HIT k=${decision.resume_step}/${steps} · ${formatSpeedup(decision.expected_speedup)}`,
