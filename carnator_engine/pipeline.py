@@ -143,27 +143,29 @@ def replay(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorSto
     started = time.perf_counter()
     bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
     record = store.exact_repeat(bucket, request_key(runner, noise, bucket))
-    final = _stored_final(store, record) if record is not None else None
+    final = _stored_final(store, record.entry_id) if record is not None else None
     if final is None:
         return None
     decision = gate_module.exact_repeat(record.entry_id, len(sigmas) - 1, config.risk)
-    return _replayed(final.to(noise.device), decision, store, {"replay": time.perf_counter() - started}, [])
+    return _replayed(final.to(noise.device), decision, store, {"replay": time.perf_counter() - started})
 
 
-def _stored_final(store: CarnatorStore, record) -> Optional[torch.Tensor]:
-    """A full generation's final latent, or None if the entry lacks one or is torn (reported by the store)."""
+def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]:
+    """A full generation's final latent, or None if the entry is gone, lacks one or is torn (the store reports
+    a torn one)."""
     try:
+        record = store.record(entry_id)
         store.signature(record)  # an entry with any torn part is corrupt as a whole
         return store.trajectory(record).final
     except StoreError:
         return None
 
 
-def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: CarnatorStore, seconds: dict,
-              warnings: list) -> GenerationResult:
+def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: CarnatorStore,
+              seconds: dict) -> GenerationResult:
     store.record_hit(decision.entry_id, steps_saved=decision.steps - decision.model_calls)
     return GenerationResult(final.to(torch.float32), decision, decision.model_calls, None, seconds,
-                            warnings + store.drain_problems())
+                            store.drain_problems())
 
 
 def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
@@ -227,10 +229,10 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
     started = time.perf_counter()
     warnings = []
     if decision.exact_repeat:
-        final = _stored_final(store, store.record(decision.entry_id))
+        final = _stored_final(store, decision.entry_id)
         if final is not None:
             return _replayed(final.to(probed.latent.device), decision, store,
-                             {"probe": probed.seconds, "replay": time.perf_counter() - started}, [])
+                             {"probe": probed.seconds, "replay": time.perf_counter() - started})
         warnings.append(f"entry {decision.entry_id} could not be replayed: this request was generated in full")
         decision = dataclasses.replace(decision, reuse=False, exact_repeat=False, entry_id=None,
                                        resume_step=probed.probe_steps, reasons=warnings[-1:])

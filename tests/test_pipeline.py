@@ -83,6 +83,13 @@ def test_a_staged_exact_repeat_whose_entry_is_gone_is_generated_in_full(tiny_mod
     assert any(first.entry_id in w and "checksum" in w for w in result.warnings)
     torch.testing.assert_close(result.latent, first.latent, atol=1e-5, rtol=0)
 
+    probed = probe(runner, _noise(1), SIGMAS, config)           # the same, its twin deleted meanwhile
+    decision = decide(probed, lookup(store, probed, config), config)
+    assert decision.exact_repeat and decision.entry_id == result.entry_id
+    store.delete(result.entry_id)
+    again = resume(runner, probed, decision, store, config)
+    assert not again.decision.reuse and again.model_calls == 12
+
 
 def test_a_corrupt_final_latent_is_reported_and_the_request_generated(tiny_model, store):
     from safetensors.torch import load, save
