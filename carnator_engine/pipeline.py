@@ -111,43 +111,46 @@ def _validate_request(runner, noise: torch.Tensor, sigmas: torch.Tensor, config:
     runner.layout.token_grid(noise.shape)  # raises a clear error for a latent of the wrong shape
 
 
-def request_key(runner, noise: torch.Tensor, bucket: str) -> str:
-    """Every input that shapes the request's output: its bucket (model, shape, schedule, sampler), the runner's
-    request fingerprint (conditioning, sampler seed) and the noise itself, whole."""
+def request_identity(runner, noise: torch.Tensor, sigmas: torch.Tensor) -> tuple:
+    """(bucket, request key): the bucket is what must match for any reuse (model, shape, schedule, sampler); the
+    key adds every other input that shapes the output: the runner's request fingerprint (conditioning, sampler
+    seed) and the noise itself, whole."""
+    bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
     digest = hashlib.sha256(f"{bucket}|{runner.request_fingerprint}|".encode())
     digest.update(noise.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return digest.hexdigest()[:32]
+    return bucket, digest.hexdigest()[:32]
 
 
-def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> ProbeResult:
+def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig,
+          identity: Optional[tuple] = None) -> ProbeResult:
+    """The first steps of the request and its Early Signature; `identity` is request_identity's answer when the
+    caller already has it (hashing a video's noise is not free)."""
     _validate_request(runner, noise, sigmas, config)
     started = time.perf_counter()
     recorder = SignatureRecorder(config.probe_steps, config.block_size)
     observer = GenerationObserver(signature=recorder)
     x = noise * float(sigmas[0])
     latent = runner.run(x, sigmas, 0, config.probe_steps, observer)
-    bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
+    bucket, key = identity or request_identity(runner, noise, sigmas)
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
-                       request_key(runner, noise, bucket), time.perf_counter() - started)
+                       key, time.perf_counter() - started)
 
 
-def replay(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorStore,
-           config: CarnatorConfig) -> Optional[GenerationResult]:
-    """The stored result of an earlier full generation of exactly this request, with no model call; None when
-    the store has none (or only a corrupt one, which is reported and skipped).
+def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorConfig,
+           device: torch.device) -> Optional[GenerationResult]:
+    """The stored result of an earlier full generation of exactly this request (request_identity), with no
+    model call; None when the store has none (or only a corrupt one, which is reported and skipped).
 
     Only full generations are replayed: their result is the request's own, whatever the risk setting. A
     request that was itself a hit goes through the probe and the gate again, as any other request.
     """
-    _validate_request(runner, noise, sigmas, config)
     started = time.perf_counter()
-    bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
-    record = store.exact_repeat(bucket, request_key(runner, noise, bucket))
+    record = store.exact_repeat(*identity)
     final = _stored_final(store, record.entry_id) if record is not None else None
     if final is None:
         return None
-    decision = gate_module.exact_repeat(record.entry_id, len(sigmas) - 1, config.risk)
-    return _replayed(final.to(noise.device), decision, store, {"replay": time.perf_counter() - started})
+    decision = gate_module.exact_repeat(record.entry_id, steps, config.risk)
+    return _replayed(final.to(device), decision, store, {"replay": time.perf_counter() - started})
 
 
 def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]:
@@ -175,9 +178,8 @@ def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) ->
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gate_module.Decision:
     """The gate's decision, unless a candidate is a full generation of exactly this request: then its result."""
     for candidate in candidates:
-        record = candidate.record
-        if record.request_key == probed.request_key and record.reused_from is None:
-            return gate_module.exact_repeat(record.entry_id, probed.steps, config.risk, probed.probe_steps)
+        if candidate.record.replays(probed.request_key):
+            return gate_module.exact_repeat(candidate.record.entry_id, probed.steps, config.risk, probed.probe_steps)
     return gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk)
 
 
@@ -259,10 +261,12 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
 
 def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorStore, config: CarnatorConfig,
              prompt: str = "", seed: int = 0) -> GenerationResult:
-    replayed = replay(runner, noise, sigmas, store, config)
+    _validate_request(runner, noise, sigmas, config)
+    identity = request_identity(runner, noise, sigmas)
+    replayed = replay(store, identity, len(sigmas) - 1, config, noise.device)
     if replayed is not None:
         return replayed
-    probed = probe(runner, noise, sigmas, config)
+    probed = probe(runner, noise, sigmas, config, identity)
     started = time.perf_counter()
     candidates = lookup(store, probed, config)
     decision = decide(probed, candidates, config)
@@ -273,4 +277,4 @@ def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorS
 
 
 __all__ = ["CarnatorConfig", "ProbeResult", "GenerationResult", "Candidate", "probe", "lookup", "decide",
-           "resume", "replay", "generate", "follow_entry", "checkpoint_steps", "request_key"]
+           "resume", "replay", "generate", "follow_entry", "checkpoint_steps", "request_identity"]

@@ -74,7 +74,11 @@ class EntryRecord:
     reused_from: Optional[str] = None
     corrupt: Optional[str] = None
     extra: dict = field(default_factory=dict)
-    request_key: str = ""  # every input of the request (pipeline.request_key); "" in entries older than it
+    request_key: str = ""  # every input of the request (pipeline.request_identity); "" in entries older than it
+
+    def replays(self, request_key: str) -> bool:
+        """Whether this entry's stored result is exactly that request's own: a full generation (no hit) of it."""
+        return bool(request_key) and self.request_key == request_key and self.reused_from is None
 
     @property
     def benefit(self) -> float:
@@ -210,9 +214,7 @@ class CarnatorStore:
 
     def exact_repeat(self, bucket: str, request_key: str) -> Optional[EntryRecord]:
         """The newest full generation (no hit) of exactly this request, same bucket and request key, else None."""
-        if not request_key:
-            return None
-        same = [r for r in self.records(bucket) if r.request_key == request_key and r.reused_from is None]
+        same = [r for r in self.records(bucket) if r.replays(request_key)]
         return same[-1] if same else None
 
     def record(self, entry_id: str) -> EntryRecord:
