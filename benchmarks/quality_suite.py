@@ -61,7 +61,9 @@ RUNS = {
 # pooled configuration -> quality.py arguments, run on every pooled set
 POOLED_RUNS = {"balanced": ["--methods", "no_reuse,text_similarity,carnator"],
                "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
-               "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"]}
+               "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
+               "balanced_refine": ["--methods", "no_reuse,carnator,carnator_refine"],
+               "aggressive_refine": ["--risk", "aggressive", "--methods", "no_reuse,carnator,carnator_refine"]}
 RUNS.update({f"pooled{seed}_{config}": arguments for config, arguments in POOLED_RUNS.items() for seed in POOLED_SEEDS})
 FIRST = ("balanced", "replication_seed1", *(f"pooled{seed}_balanced" for seed in POOLED_SEEDS))
 # --only takes run names or these groups; with no --only the suite runs "cpu", what RESULTS.md's CPU tables need
@@ -73,6 +75,15 @@ def request_set(name: str) -> str:
     """A run's request set: the one its name starts with ("replication_seed1", "pooled3_aggressive"), else main."""
     prefix = name.split("_")[0]
     return prefix if prefix in REQUEST_SETS else "main"
+
+
+def stages(names: list) -> list:
+    """[leaders, the rest]: one run of each request set (a FIRST one where chosen) goes first and writes the set's
+    no-reuse reference cache, which the set's other runs then read instead of generating it again."""
+    leaders = {}
+    for name in sorted(names, key=lambda n: n not in FIRST):
+        leaders.setdefault(request_set(name), name)
+    return [list(leaders.values()), [n for n in names if n not in leaders.values()]]
 
 
 def command(name: str, fixed_seed: bool, args) -> tuple:
@@ -284,10 +295,9 @@ def main(argv=None) -> int:
         parser.error("--jobs must be >= 1")
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.reference_dir, exist_ok=True)
-    stages = [[n for n in names if n in FIRST], [n for n in names if n not in FIRST]]
     failed = []
     with ThreadPoolExecutor(args.jobs) as pool:
-        for stage in stages:
+        for stage in stages(names):
             jobs = [command(name, fixed, args) for name in stage for fixed in (False, True)]
             for label, code in pool.map(lambda job: run(*job, args.reference_dir), jobs):
                 if code:

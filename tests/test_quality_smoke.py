@@ -137,3 +137,11 @@ def test_pooled_sets_add_up_with_a_paired_interval(tmp_path, capsys):
         (tmp_path / f"quality_pooled{seed}_balanced.json").write_text(json.dumps(report))
     markdown = suite.tables(str(tmp_path))
     assert "| balanced | fresh | 2 | Carnator | 200 | 50% (4) | 10% | 90.0% (90.0%) | -2.0 (" in markdown
+
+
+def test_one_run_of_each_request_set_goes_first_to_write_its_reference_cache():
+    suite = _script("quality_suite")
+    leaders, rest = suite.stages(["refine", "pooled2_balanced_refine", "pooled2_aggressive_refine",
+                                  "pooled3_aggressive_refine", "balanced", "pooled3_balanced"])
+    assert leaders == ["balanced", "pooled3_balanced", "pooled2_balanced_refine"]
+    assert rest == ["refine", "pooled2_aggressive_refine", "pooled3_aggressive_refine"]
