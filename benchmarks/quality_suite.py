@@ -107,8 +107,8 @@ def run(label: str, argv: list, log_dir: str) -> tuple:
 
 
 LABELS = {"no_reuse": "no reuse", "text_similarity": "text similarity (MiniLM cosine >= 0.90, resume at step 10)",
-          "carnator": "Carnator", "carnator_no_localize": "Carnator, no localization",
-          "carnator_dense": "Carnator, dense attention", "carnator_refine": "Carnator, refine",
+          "carnator": "Carnator, refine off", "carnator_no_localize": "Carnator, no localization",
+          "carnator_dense": "Carnator, dense attention", "carnator_refine": "Carnator, refine on",
           "own_jump": "own jump, no cache"}
 SEEDS = (("fresh", ""), ("fixed", "_fixed_seed"))
 

@@ -237,9 +237,10 @@ class CarnatorCompatibilityGate:
                                                 "for balanced)"}) for name in _OVERRIDES}
         optional["min_saved_steps"] = ("INT", {"default": 0, "min": 0, "max": 10000,
                                                "tooltip": "0 = preset: a hit must save at least this many steps."})
-        optional["refine_target"] = ("BOOLEAN", {"default": False, "tooltip":
+        optional["refine_target"] = ("BOOLEAN", {"default": True, "tooltip":
                                      "Spend one model call midway re-estimating the region that differs from the "
-                                     "cached generation, instead of extrapolating it from the probe."})
+                                     "cached generation, instead of extrapolating it from the probe (fewer wrong "
+                                     "reuses; off saves that call)."})
         optional["shrink_with_risk"] = ("BOOLEAN", {"default": True, "tooltip":
                                         "Resume earlier the closer the match is to a limit. Off: every accepted "
                                         "match resumes at the furthest step the risk level allows."})
@@ -257,7 +258,7 @@ class CarnatorCompatibilityGate:
         _expect(node, "matches", matches, MatchesBundle, "Carnator Signature Cache Lookup")
         if matches.probe_token != bundle.token:
             raise fail(node, "matches", "comes from another probe: feed the Signature Cache Lookup with this probe")
-        overrides = {"refine_target": bool(thresholds.pop("refine_target", False)),
+        overrides = {"refine_target": bool(thresholds.pop("refine_target", True)),
                      "shrink_with_risk": bool(thresholds.pop("shrink_with_risk", True))}
         for name, value in thresholds.items():
             if name not in _OVERRIDES and name != "min_saved_steps":

@@ -57,20 +57,20 @@ def test_target_region_is_re_estimated_midway_at_one_model_call():
     edited = BASE.clone()
     edited[:, 2:4, 2:4, 2:4] += 3.0
     candidate = _candidate(_sig(edited), _sig(BASE))
-    decision = decide([candidate], 20, 3, policy_for("balanced", refine_target=True), "balanced")
+    decision = decide([candidate], 20, 3, policy_for("balanced"), "balanced")               # the default
     assert decision.reuse and decision.target_cells.any()
     k = decision.resume_step
     assert decision.refine_step == min((4, 6, 8, 10, 12), key=lambda s: (abs(s - (3 + k) / 2), s)) and 3 < decision.refine_step < k
     assert decision.model_calls == 3 + 20 - k + 1              # the refine call is counted
     assert f"re-estimated at step {decision.refine_step}" in decision.reasons[-1]
-    plain = decide([candidate], 20, 3, policy_for("balanced"), "balanced")            # the default
+    plain = decide([candidate], 20, 3, policy_for("balanced", refine_target=False), "balanced")
     assert plain.refine_step is None and plain.model_calls == 3 + 20 - plain.resume_step
     with pytest.raises(ValueError, match="refine_target must be True or False"):
         policy_for("balanced", refine_target=0.5)
 
 
 def test_nothing_to_refine_without_a_target_region_or_a_checkpoint_before_k():
-    refine = policy_for("balanced", refine_target=True)
+    refine = policy_for("balanced")
     identical = decide([_candidate(_sig(BASE), _sig(BASE.clone()))], 20, 3, refine, "balanced")
     assert identical.refine_step is None                    # a pure copy: no target region
     edited = BASE.clone()

@@ -37,7 +37,7 @@ def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
     (tmp_path / "suite").mkdir()
     (tmp_path / "suite" / "quality_balanced.json").write_text((tmp_path / "first.json").read_text())
     markdown = suite.tables(str(tmp_path / "suite"))
-    assert "| iteration | Carnator | " in markdown and "| adversarial | no reuse | 0% | 0% | 100.0 |" in markdown
+    assert "| iteration | Carnator, refine off | " in markdown and "| adversarial | no reuse | 0% | 0% | 100.0 |" in markdown
 
 
 def test_a_stale_reference_cache_is_regenerated(tmp_path, capsys):
@@ -136,7 +136,7 @@ def test_pooled_sets_add_up_with_a_paired_interval(tmp_path, capsys):
         report = {"results": {"iteration_stream": table, "adversarial_pairs": table}}
         (tmp_path / f"quality_pooled{seed}_balanced.json").write_text(json.dumps(report))
     markdown = suite.tables(str(tmp_path))
-    assert "| balanced | fresh | 2 | Carnator | 200 | 50% (4) | 10% | 90.0% (90.0%) | -2.0 (" in markdown
+    assert "| balanced | fresh | 2 | Carnator, refine off | 200 | 50% (4) | 10% | 90.0% (90.0%) | -2.0 (" in markdown
 
 
 def test_one_run_of_each_request_set_goes_first_to_write_its_reference_cache():
@@ -145,3 +145,16 @@ def test_one_run_of_each_request_set_goes_first_to_write_its_reference_cache():
                                   "pooled3_aggressive_refine", "balanced", "pooled3_balanced"])
     assert leaders == ["balanced", "pooled3_balanced", "pooled2_balanced_refine"]
     assert rest == ["refine", "pooled2_aggressive_refine", "pooled3_aggressive_refine"]
+
+
+def test_each_carnator_method_names_its_refine_switch_whatever_the_default():
+    import argparse
+    quality = _script("quality")
+    args = argparse.Namespace(probe_steps=3, risk="balanced", max_density=1.0, gate_overrides={})
+    assert quality.carnator_config("carnator_refine", args).policy().refine_target
+    for plain in ("carnator", "carnator_no_localize", "carnator_dense"):
+        assert not quality.carnator_config(plain, args).policy().refine_target
+    assert not quality.carnator_config("carnator_dense", args).sparse_attention
+    assert not quality.carnator_config("carnator_no_localize", args).localize
+    args.gate_overrides = {"refine_target": True}                      # --gate still decides when given
+    assert quality.carnator_config("carnator", args).policy().refine_target
