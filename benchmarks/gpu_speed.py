@@ -287,19 +287,14 @@ class SparseCounter:
         self.cls.attend = self.original
 
 
-def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed, redrawn=None):
+def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed):
     """probe -> lookup -> gate -> (resume at k) -> write-back; returns timings and facts. The request is the miss's
-    a hair off (noise x 1.0001): the identical one would be an exact repeat, answered without the gate.
-    redrawn: an [F, H, W] mask of the latent whose noise is drawn anew, so that the request has a target region
-    there (which the gate's refine call re-estimates midway)."""
+    a hair off (noise x 1.0001): the identical one would be an exact repeat, answered without the gate."""
     from carnator_engine import pipeline
     from carnator_engine.connectivity import plan_from_tensors
     from carnator_engine.localize import latent_mask
 
     noise = noise * (1 + 1e-4)
-    if redrawn is not None:
-        fresh = torch.randn(noise.shape, generator=torch.Generator().manual_seed(seed + 1)).to(noise)
-        noise = torch.where(redrawn.to(noise.device), fresh, noise)
     with timed() as probe_span:
         probed = pipeline.probe(runner, noise, sigmas, config)
     with timed() as gate_span:
@@ -332,7 +327,6 @@ def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed, redraw
         "resume_and_write_s": resume_span["seconds"],
         "write_back_s": result.seconds.get("write_back"), "resume_step": decision.resume_step,
         "gate_resume_step": gate_step, "forced_resume_step": forced, "model_calls": result.model_calls,
-        "refine_step": decision.refine_step,
         "plan_blocks": len(plan), "plan_mean_density": plan.mean_density(),
         "target_fraction": float(target.float().mean()), "sparse_attend_calls": counter.calls,
         "warnings": flex_warnings(caught) + list(result.warnings),
@@ -539,12 +533,11 @@ def run(args):
         log(f"kernels (ms): {res['kernels_ms']}")
 
         # -- (2) hits with the recorded connectivity --
-        def hits(label, hit_store, hit_config, repeats, redrawn=None):
+        def hits(label, hit_store, hit_config, repeats):
             runs = []
             for i in range(repeats):
                 timer.reset()
-                facts, result, probed = carnator_hit(runner, hit_store, hit_config, noise, sigmas, k, args.seed,
-                                                     redrawn)
+                facts, result, probed = carnator_hit(runner, hit_store, hit_config, noise, sigmas, k, args.seed)
                 facts["sparse_step_median_s"] = median(timer.step_seconds(first_step=k + 1))
                 facts["rel_diff_vs_miss"] = rel_diff(result.latent, miss.latent)
                 facts["finite"] = bool(torch.isfinite(result.latent).all())
@@ -552,11 +545,9 @@ def run(args):
                 log(f"{label} #{i + 1}: {facts['seconds']:.2f} s (probe {facts['probe_s']:.2f}, lookup+gate "
                     f"{facts['lookup_gate_s'] * 1e3:.1f} ms, resume+write {facts['resume_and_write_s']:.2f}), "
                     f"k={facts['resume_step']} (gate {facts['gate_resume_step']}), density "
-                    f"{facts['plan_mean_density']:.3f}, sparse calls {facts['sparse_attend_calls']}, target share "
-                    f"{facts['target_fraction']:.3f}, refine step {facts['refine_step']}, calls {facts['model_calls']}, "
+                    f"{facts['plan_mean_density']:.3f}, sparse calls {facts['sparse_attend_calls']}, "
                     f"rel diff vs miss {facts['rel_diff_vs_miss']:.4f} {facts['warnings'] or ''}")
             return {"runs": runs, "seconds_median": median([r["seconds"] for r in runs]),
-                    "resumed_calls": median([r["model_calls"] for r in runs]) - p,
                     "density": runs[0]["plan_mean_density"],
                     "sparse_step_median_s": median([r["sparse_step_median_s"] for r in runs])}, probed
 
@@ -582,24 +573,14 @@ def run(args):
         res["sparse_path_warmup_s"] = span["seconds"]
         log(f"warm-up sparse path through the model (2 steps) {res['sparse_path_warmup_s']:.1f} s")
 
-        # a request with its own content in one corner (1/16 of the clip): the gate's default refine call fires
-        from carnator_engine.gate import RISK_POLICIES
-        corner = torch.zeros(tuple(latent_shape[-3:]), dtype=torch.bool)
-        corner[:, : latent_shape[-2] // 4, : latent_shape[-1] // 4] = True
-        refine_config = CarnatorConfig(probe_steps=p, block_size=block_size, attention_mass=args.attention_mass,
-                                       max_density=args.max_density,
-                                       gate_overrides={**overrides, "refine_target": True,
-                                                       "cell_threshold": RISK_POLICIES["balanced"].cell_threshold})
         probed = None
-        for key, label, hit_store, hit_config, repeats, redrawn in (
+        for key, label, hit_store, hit_config, repeats in (
                 ("hit_budget", f"hit (measured, max_density {args.max_density})", budget_store, budget_config,
-                 preset["repeats"], None),
-                ("hit_measured", "hit (measured, mass rule alone)", store, config, 1, None),
-                ("hit_band", f"hit (band, density {band_density:.3f})", band_store, config, 1, None),
-                ("hit_refine", f"hit with a target region (measured, max_density {args.max_density})", budget_store,
-                 refine_config, 1, corner)):
+                 preset["repeats"]),
+                ("hit_measured", "hit (measured, mass rule alone)", store, config, 1),
+                ("hit_band", f"hit (band, density {band_density:.3f})", band_store, config, 1)):
             try:
-                res[key], probed = hits(label, hit_store, hit_config, repeats, redrawn)
+                res[key], probed = hits(label, hit_store, hit_config, repeats)
             except Exception:
                 res[key] = {"error": traceback.format_exc()}
                 log(f"{label} FAILED:\n" + res[key]["error"])
@@ -646,21 +627,20 @@ def run(args):
     summary = []
     for key, label, kernel in (("hit_budget", f"hit, measured, max_density {args.max_density}", "kernel_budget_ms"),
                                ("hit_measured", "hit, measured, mass rule alone", "kernel_measured_ms"),
-                               ("hit_band", "hit, band connectivity", "kernel_band_ms"),
-                               ("hit_refine", "hit, target region + refine call, budget", "kernel_budget_ms")):
+                               ("hit_band", "hit, band connectivity", "kernel_band_ms")):
         hit = res[key]
         if "error" in hit:
             continue
-        d, resumed = hit["density"], hit["resumed_calls"]      # resumed: the model calls after the probe
+        d = hit["density"]
         kernel_ratio = res[kernel] / res["kernels_ms"]["sdpa_dense"]
         summary.append({
             "case": label, "density": d, "seconds": hit["seconds_median"],
             "speedup_vs_full": full_s / hit["seconds_median"], "speedup_vs_miss": miss_s / hit["seconds_median"],
-            "model_calls": p + resumed, "ideal": ideal_speedup(n, p, n - resumed, a, d),
+            "ideal": ideal_speedup(n, p, k, a, d),
             "ideal_from_step_times": n * res["full"]["step_median_s"]
-            / (p * res["full"]["step_median_s"] + resumed * hit["sparse_step_median_s"]),
+            / (p * res["full"]["step_median_s"] + (n - k) * hit["sparse_step_median_s"]),
             "sparse_step_s": hit["sparse_step_median_s"], "kernel_ratio": kernel_ratio,
-            "ideal_with_kernel_ratio": ideal_speedup(n, p, n - resumed, a, kernel_ratio),
+            "ideal_with_kernel_ratio": ideal_speedup(n, p, k, a, kernel_ratio),
         })
     res["summary"] = summary
     out["total_seconds"] = time.perf_counter() - started

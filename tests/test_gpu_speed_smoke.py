@@ -68,9 +68,5 @@ def test_gpu_speed_smoke(tmp_path):
     assert res["kernel_budget_block_density"] <= 0.5 < res["kernel_measured_block_density"]
     assert res["overhead"]["store_entries"] >= 5
     assert {s["case"] for s in res["summary"]} == {"hit, measured, max_density 0.3", "hit, measured, mass rule alone",
-                                                  "hit, band connectivity", "hit, target region + refine call, budget"}
-    # the redrawn corner gives that request a target region; N=6 leaves no checkpoint between p=2 and k=3 to refine at
-    corner = res["hit_refine"]["runs"][0]
-    assert "error" not in res["hit_refine"] and 0 < corner["target_fraction"] < 0.5
-    assert corner["refine_step"] is None and corner["model_calls"] == 2 + 3
+                                                  "hit, band connectivity"}
     assert "| case" in proc.stdout
