@@ -342,23 +342,23 @@ def test_hit_with_a_target_region_re_estimates_it_through_the_host_sampler(comfy
     sample(comfy, counted.model, cache, positive, negative, latent)
     loose = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, cell_threshold=0.05, max_target_fraction=1.0)
 
-    def stages(refine_target):
+    def stages(**switch):
         probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED + 1, STEPS,
                                                         CFG, "euler", "simple", PROBE, 64)[0]
         matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
         decision = node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, "aggressive",
-                                                                   refine_target=refine_target, **loose)["result"][0]
+                                                                   **switch, **loose)["result"][0]
         counted.take()
         out = node(comfy, "CarnatorTrajectoryResume").resume(cache, probe, decision, True)["result"]
         return decision.decision, counted.take(), json.loads(out[1]), out[0]
 
-    decision, calls, summary, latent_out = stages(True)
+    decision, calls, summary, latent_out = stages()                 # the node's default refines
     k, m = decision.resume_step, decision.refine_step
     assert decision.reuse and decision.target_cells.any() and PROBE < m < k
     assert calls == 1 + STEPS - k                               # the refine call, then the rest
     assert summary["refine_step"] == m and summary["model_calls"] == PROBE + 1 + STEPS - k
     assert torch.isfinite(latent_out["samples"]).all()
-    plain, plain_calls, _, _ = stages(False)
+    plain, plain_calls, _, _ = stages(refine_target=False)
     assert plain.refine_step is None and plain_calls == STEPS - plain.resume_step
 
 
