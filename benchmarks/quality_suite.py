@@ -37,6 +37,9 @@ POOLED_SEEDS = tuple(range(2, 10))
 REQUEST_SETS.update({f"pooled{seed}": (["--stream", "120", "--pairs", "48", "--seed", str(seed)],
                                        f"pooled{seed}_reference") for seed in POOLED_SEEDS})
 LOOSE = "max_target_fraction=1.0,max_resume_fraction=0.6"
+# a gate that accepts every candidate and resumes at step 12 of 20, the step that saves 40 % of the calls
+NEVER_REFUSE_12 = ("max_hidden=2.0,max_attention=1.0,max_context=10.0,max_target_fraction=1.0,max_resume_fraction=0.6,"
+                   "shrink_with_risk=false,min_saved_steps=1")
 
 # name -> quality.py arguments (on the main set unless the name says replication); each runs with a fresh
 # seed per request and with one seed per session.
@@ -51,19 +54,22 @@ RUNS = {
     "budget03": ["--max-density", "0.3", "--methods", "no_reuse,carnator,carnator_dense"],
     "fixed_k7": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.35,shrink_with_risk=false",
                  "--methods", "no_reuse,carnator"],
+    "never_refuse_12": ["--gate", NEVER_REFUSE_12, "--methods", "no_reuse,carnator,carnator_refine"],
     "own_jump_11": ["--methods", "no_reuse,own_jump", "--jump-path", "11"],
     "own_jump_7_11": ["--methods", "no_reuse,own_jump", "--jump-path", "7,11"],
     "own_jump_7_13": ["--methods", "no_reuse,own_jump", "--jump-path", "7,13"],
     "replication_seed1": ["--methods", "no_reuse,text_similarity,carnator"],
     "replication_seed1_loose_refine": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65",
                                        "--methods", "no_reuse,carnator,carnator_refine"],
+    "replication_seed1_never_refuse_12": ["--gate", NEVER_REFUSE_12, "--methods", "no_reuse,carnator,carnator_refine"],
 }
 # pooled configuration -> quality.py arguments, run on every pooled set
 POOLED_RUNS = {"balanced": ["--methods", "no_reuse,text_similarity,carnator"],
                "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
                "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
                "balanced_refine": ["--methods", "no_reuse,carnator,carnator_refine"],
-               "aggressive_refine": ["--risk", "aggressive", "--methods", "no_reuse,carnator,carnator_refine"]}
+               "aggressive_refine": ["--risk", "aggressive", "--methods", "no_reuse,carnator,carnator_refine"],
+               "never_refuse_12": ["--gate", NEVER_REFUSE_12, "--methods", "no_reuse,carnator,carnator_refine"]}
 RUNS.update({f"pooled{seed}_{config}": arguments for config, arguments in POOLED_RUNS.items() for seed in POOLED_SEEDS})
 FIRST = ("balanced", "replication_seed1", *(f"pooled{seed}_balanced" for seed in POOLED_SEEDS))
 # --only takes run names or these groups; with no --only the suite runs "cpu", what RESULTS.md's CPU tables need
@@ -176,7 +182,8 @@ def tables(out_dir: str) -> str:
     lines += ["", "| gate | seeds | variant | hits | calls saved | PSNR | attr acc (no reuse) | wrong acc "
               "| made wrong / right (sign p) | adversarial wrong acc |", "| --- " * 10 + "|"]
     for gate, seeds, it, adv in _runs(out_dir, (("refine", "balanced"),
-                                                ("refine_loose_gate", "balanced + any target share, resume 0.65"))):
+                                                ("refine_loose_gate", "balanced + any target share, resume 0.65"),
+                                                ("never_refuse_12", "never refusing, always resume at 12"))):
         for method, variant in (("carnator", "plain"), ("carnator_refine", "refine")):
             s = it[method]
             lines.append(f"| {gate} | {seeds} | {variant} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | "
@@ -186,7 +193,9 @@ def tables(out_dir: str) -> str:
               "| made wrong / right (sign p) | adversarial acc (no reuse) | adversarial wrong acc |", "| --- " * 10 + "|"]
     for gate, seeds, it, adv in _runs(out_dir, (("replication_seed1", "balanced"),
                                                 ("replication_seed1_loose_refine",
-                                                 "balanced + any target share, resume 0.65"))):
+                                                 "balanced + any target share, resume 0.65"),
+                                                ("replication_seed1_never_refuse_12",
+                                                 "never refusing, always resume at 12"))):
         for method, s in it.items():
             if method != "no_reuse":
                 lines.append(f"| {gate} | {seeds} | {LABELS[method]} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
