@@ -37,9 +37,11 @@ POOLED_SEEDS = tuple(range(2, 10))
 REQUEST_SETS.update({f"pooled{seed}": (["--stream", "120", "--pairs", "48", "--seed", str(seed)],
                                        f"pooled{seed}_reference") for seed in POOLED_SEEDS})
 LOOSE = "max_target_fraction=1.0,max_resume_fraction=0.6"
+# the product's pipeline with the refine call off and on, side by side
+PLAIN_AND_REFINE = ["--methods", "no_reuse,carnator,carnator_refine"]
 # a gate that accepts every candidate and resumes at step 12 of 20, the step that saves 40 % of the calls
-NEVER_REFUSE_12 = ("max_hidden=2.0,max_attention=1.0,max_context=10.0,max_target_fraction=1.0,max_resume_fraction=0.6,"
-                   "shrink_with_risk=false,min_saved_steps=1")
+NEVER_REFUSE_12 = ["--gate", "max_hidden=2.0,max_attention=1.0,max_context=10.0,max_target_fraction=1.0,"
+                   "max_resume_fraction=0.6,shrink_with_risk=false,min_saved_steps=1", *PLAIN_AND_REFINE]
 
 # name -> quality.py arguments (on the main set unless the name says replication); each runs with a fresh
 # seed per request and with one seed per session.
@@ -48,28 +50,27 @@ RUNS = {
     "safe": ["--risk", "safe", "--methods", "no_reuse,carnator"],
     "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
     "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
-    "refine": ["--methods", "no_reuse,carnator,carnator_refine"],
-    "refine_loose_gate": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65",
-                          "--methods", "no_reuse,carnator,carnator_refine"],
+    "refine": PLAIN_AND_REFINE,
+    "refine_loose_gate": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65", *PLAIN_AND_REFINE],
     "budget03": ["--max-density", "0.3", "--methods", "no_reuse,carnator,carnator_dense"],
     "fixed_k7": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.35,shrink_with_risk=false",
                  "--methods", "no_reuse,carnator"],
-    "never_refuse_12": ["--gate", NEVER_REFUSE_12, "--methods", "no_reuse,carnator,carnator_refine"],
+    "never_refuse_12": NEVER_REFUSE_12,
     "own_jump_11": ["--methods", "no_reuse,own_jump", "--jump-path", "11"],
     "own_jump_7_11": ["--methods", "no_reuse,own_jump", "--jump-path", "7,11"],
     "own_jump_7_13": ["--methods", "no_reuse,own_jump", "--jump-path", "7,13"],
     "replication_seed1": ["--methods", "no_reuse,text_similarity,carnator"],
     "replication_seed1_loose_refine": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65",
-                                       "--methods", "no_reuse,carnator,carnator_refine"],
-    "replication_seed1_never_refuse_12": ["--gate", NEVER_REFUSE_12, "--methods", "no_reuse,carnator,carnator_refine"],
+                                       *PLAIN_AND_REFINE],
+    "replication_seed1_never_refuse_12": NEVER_REFUSE_12,
 }
 # pooled configuration -> quality.py arguments, run on every pooled set
 POOLED_RUNS = {"balanced": ["--methods", "no_reuse,text_similarity,carnator"],
                "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
                "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
-               "balanced_refine": ["--methods", "no_reuse,carnator,carnator_refine"],
-               "aggressive_refine": ["--risk", "aggressive", "--methods", "no_reuse,carnator,carnator_refine"],
-               "never_refuse_12": ["--gate", NEVER_REFUSE_12, "--methods", "no_reuse,carnator,carnator_refine"]}
+               "balanced_refine": PLAIN_AND_REFINE,
+               "aggressive_refine": ["--risk", "aggressive", *PLAIN_AND_REFINE],
+               "never_refuse_12": NEVER_REFUSE_12}
 RUNS.update({f"pooled{seed}_{config}": arguments for config, arguments in POOLED_RUNS.items() for seed in POOLED_SEEDS})
 FIRST = ("balanced", "replication_seed1", *(f"pooled{seed}_balanced" for seed in POOLED_SEEDS))
 # --only takes run names or these groups; with no --only the suite runs "cpu", what RESULTS.md's CPU tables need

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from carnator_engine import pipeline
-from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, Decision
+from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, SWITCHES, Decision
 from carnator_engine.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
 from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, fail,
@@ -237,11 +237,11 @@ class CarnatorCompatibilityGate:
                                                 "for balanced)"}) for name in _OVERRIDES}
         optional["min_saved_steps"] = ("INT", {"default": 0, "min": 0, "max": 10000,
                                                "tooltip": "0 = preset: a hit must save at least this many steps."})
-        optional["refine_target"] = ("BOOLEAN", {"default": True, "tooltip":
+        optional["refine_target"] = ("BOOLEAN", {"default": RISK_POLICIES["balanced"].refine_target, "tooltip":
                                      "Spend one model call midway re-estimating the region that differs from the "
                                      "cached generation, instead of extrapolating it from the probe (fewer wrong "
                                      "reuses; off saves that call)."})
-        optional["shrink_with_risk"] = ("BOOLEAN", {"default": True, "tooltip":
+        optional["shrink_with_risk"] = ("BOOLEAN", {"default": RISK_POLICIES["balanced"].shrink_with_risk, "tooltip":
                                         "Resume earlier the closer the match is to a limit. Off: every accepted "
                                         "match resumes at the furthest step the risk level allows."})
         return {"required": {"probe": ("CARNATOR_PROBE",), "matches": ("CARNATOR_MATCHES",), "risk": _RISK},
@@ -258,8 +258,8 @@ class CarnatorCompatibilityGate:
         _expect(node, "matches", matches, MatchesBundle, "Carnator Signature Cache Lookup")
         if matches.probe_token != bundle.token:
             raise fail(node, "matches", "comes from another probe: feed the Signature Cache Lookup with this probe")
-        overrides = {"refine_target": bool(thresholds.pop("refine_target", True)),
-                     "shrink_with_risk": bool(thresholds.pop("shrink_with_risk", True))}
+        # a switch left unset keeps the risk preset's value
+        overrides = {name: bool(thresholds.pop(name)) for name in SWITCHES if name in thresholds}
         for name, value in thresholds.items():
             if name not in _OVERRIDES and name != "min_saved_steps":
                 continue
