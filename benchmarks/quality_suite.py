@@ -42,6 +42,8 @@ PLAIN_AND_REFINE = ["--methods", "no_reuse,carnator,carnator_refine"]
 # a gate that accepts every candidate and resumes at step 12 of 20, the step that saves 40 % of the calls
 NEVER_REFUSE_12 = ["--gate", "max_hidden=2.0,max_attention=1.0,max_context=10.0,max_target_fraction=1.0,"
                    "max_resume_fraction=0.6,shrink_with_risk=false,min_saved_steps=1", *PLAIN_AND_REFINE]
+# any target share, resume up to 0.65 N, plain and refine
+LOOSE_REFINE = ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65", *PLAIN_AND_REFINE]
 
 # name -> quality.py arguments (on the main set unless the name says replication); each runs with a fresh
 # seed per request and with one seed per session.
@@ -51,7 +53,7 @@ RUNS = {
     "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
     "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
     "refine": PLAIN_AND_REFINE,
-    "refine_loose_gate": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65", *PLAIN_AND_REFINE],
+    "refine_loose_gate": LOOSE_REFINE,
     "budget03": ["--max-density", "0.3", "--methods", "no_reuse,carnator,carnator_dense"],
     "fixed_k7": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.35,shrink_with_risk=false",
                  "--methods", "no_reuse,carnator"],
@@ -60,8 +62,7 @@ RUNS = {
     "own_jump_7_11": ["--methods", "no_reuse,own_jump", "--jump-path", "7,11"],
     "own_jump_7_13": ["--methods", "no_reuse,own_jump", "--jump-path", "7,13"],
     "replication_seed1": ["--methods", "no_reuse,text_similarity,carnator"],
-    "replication_seed1_loose_refine": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65",
-                                       *PLAIN_AND_REFINE],
+    "replication_seed1_loose_refine": LOOSE_REFINE,
     "replication_seed1_never_refuse_12": NEVER_REFUSE_12,
 }
 # pooled configuration -> quality.py arguments, run on every pooled set
