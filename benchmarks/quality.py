@@ -100,7 +100,7 @@ def own_jump(runner, noise, sigmas, probe_steps, path):
         x, at = runner.run(x, sigmas, stop, stop + 1, observer), stop + 1
     x = jump(x, observer.last_denoised, float(sigmas[at]), float(sigmas[path[-1]]))
     latent = runner.run(x, sigmas, path[-1], steps, observer)
-    return latent, observer.model_calls, path[-1]
+    return latent, observer.forwards, path[-1]
 
 
 def load_sentence_encoder():
@@ -171,7 +171,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
             if method == "no_reuse":
                 observer = GenerationObserver()
                 latent = runner.run(noise * float(sigmas[0]), sigmas, 0, len(sigmas) - 1, observer)
-                reused, calls, resume = False, observer.model_calls, 0
+                reused, calls, resume = False, observer.forwards, 0
             elif method == "text_similarity":
                 latent, reused, calls = text_cache.generate(runner, noise, sigmas, request.prompt)
                 resume = args.text_resume_step if reused else 0

@@ -41,14 +41,19 @@ class GenerationObserver:
     checkpoints: Optional[CheckpointRecorder] = None
     sparse: Optional[object] = None         # sparse_attention.BlockSparseAttention
     step: int = -1
-    model_calls: int = 0
+    steps_run: int = 0                      # sampler steps evaluated (a step cache may answer some itself)
+    forwards: int = 0                       # diffusion model forwards, as runners that count them report
+    step_cache_skipped: int = 0             # steps a step cache (EasyCache) answered without a forward
     last_denoised: Optional[torch.Tensor] = None
 
     def begin_step(self, step: int, x: torch.Tensor) -> None:
         self.step = step
-        self.model_calls += 1
+        self.steps_run += 1
         if self.checkpoints is not None:
             self.checkpoints.record(step, x)
+
+    def forward(self) -> None:
+        self.forwards += 1
 
     def block_output(self, block_index: int, hidden: torch.Tensor) -> None:
         if self.signature is not None:

@@ -3,11 +3,15 @@
 The four stages are separate functions so ComfyUI can expose each as a node; `generate` chains
 them, after `replay`: a request whose every input matches an earlier full generation gets that
 generation's stored result, with no model call. A runner is anything with `layout`,
-`model_fingerprint`, `sampler` (text naming everything else that shapes a trajectory: sampler,
-guidance), `request_fingerprint` (a digest of the request's own inputs besides the noise: its
-conditioning, a stochastic sampler's seed), `run(x, sigmas, start, end, observer)` that runs steps
-[start, end) and returns the latent entering `end`, and `preview(latent)` giving an RGB frame
-[3, H, W] in [-1, 1] for the thumbnail.
+`model_fingerprint` (everything on the model that changes its outputs), `sampler` (text naming the
+sampler and its guidance scale), `request_fingerprint` (a digest of the request's own inputs besides
+the noise: its conditioning, a stochastic sampler's seed), `run(x, sigmas, start, end, observer)` that
+runs steps [start, end) and returns the latent entering `end`, and `preview(latent)` giving an RGB frame
+[3, H, W] in [-1, 1] for the thumbnail. Optional: `uncacheable` (why this model must be generated without
+the cache: an option its fingerprint cannot read), `model_text` (the model's options, for people),
+`step_cache` (the per-request step cache running inside, by name), `counts_forwards` (the runner reports
+each diffusion-model forward to observer.forward(); otherwise a step counts as one call) and
+`check_unchanged()` (raises if the model changed since it was fingerprinted).
 """
 from __future__ import annotations
 
@@ -75,6 +79,9 @@ class ProbeResult:
     bucket: str
     request_key: str
     seconds: float
+    model_calls: int = 0        # diffusion model forwards of the probe
+    uncacheable: str = ""       # non-empty: why this request is generated without the cache
+    model_text: str = ""        # the model's options, for the "no earlier generation of this model" reason
 
     @property
     def steps(self) -> int:
@@ -85,14 +92,23 @@ class ProbeResult:
 class GenerationResult:
     latent: torch.Tensor
     decision: gate_module.Decision
-    model_calls: int
+    model_calls: int              # diffusion model forwards (per cond/uncond batch as the host runs them)
     entry_id: Optional[str]
     seconds: dict
     warnings: list = field(default_factory=list)
+    steps_run: int = 0            # sampler steps evaluated, probe included
+    step_cache: Optional[str] = None   # the per-request step cache inside the run (EasyCache ...), by name
+    step_cache_skipped: int = 0   # steps it answered without a forward
 
     def summary(self) -> dict:
-        return {**self.decision.summary(), "model_calls": self.model_calls, "stored_as": self.entry_id,
-                "seconds": {k: round(v, 4) for k, v in self.seconds.items()}, "warnings": self.warnings}
+        return {**self.decision.summary(), "model_calls": self.model_calls, "steps_run": self.steps_run,
+                "step_cache": self.step_cache, "step_cache_skipped": self.step_cache_skipped,
+                "stored_as": self.entry_id, "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+                "warnings": self.warnings}
+
+
+def _calls(runner, observer: GenerationObserver) -> int:
+    return observer.forwards if getattr(runner, "counts_forwards", False) else observer.steps_run
 
 
 def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list:
@@ -133,7 +149,8 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     latent = runner.run(x, sigmas, 0, config.probe_steps, observer)
     bucket, key = identity or request_identity(runner, noise, sigmas)
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
-                       key, time.perf_counter() - started)
+                       key, time.perf_counter() - started, _calls(runner, observer),
+                       getattr(runner, "uncacheable", "") or "", getattr(runner, "model_text", "") or "")
 
 
 def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorConfig,
@@ -164,23 +181,30 @@ def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]
         return None
 
 
-def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: CarnatorStore,
-              seconds: dict) -> GenerationResult:
+def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: CarnatorStore, seconds: dict,
+              probed: Optional[ProbeResult] = None) -> GenerationResult:
+    """The stored result; found after a probe, the probe's calls are what the request cost."""
     store.record_hit(decision.entry_id, steps_saved=decision.steps - decision.model_calls)
-    return GenerationResult(final.to(torch.float32), decision, decision.model_calls, None, seconds,
-                            store.drain_problems())
+    calls, steps = (probed.model_calls, probed.probe_steps) if probed is not None else (0, 0)
+    return GenerationResult(final.to(torch.float32), decision, calls, None, seconds, store.drain_problems(), steps)
 
 
 def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
+    if probed.uncacheable:
+        return []
     return nearest(store, probed.bucket, probed.signature, config.lookup_limit)
 
 
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gate_module.Decision:
     """The gate's decision, unless a candidate is a full generation of exactly this request: then its result."""
+    if probed.uncacheable:
+        return gate_module.Decision(False, config.risk, probed.steps, probed.probe_steps, probed.probe_steps,
+                                    reasons=[probed.uncacheable])
     for candidate in candidates:
         if candidate.record.replays(probed.request_key):
             return gate_module.exact_repeat(candidate.record.entry_id, probed.steps, config.risk, probed.probe_steps)
-    return gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk)
+    return gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk,
+                              probed.model_text)
 
 
 def follow_entry(runner, probed: ProbeResult, decision: gate_module.Decision, payload: TrajectoryPayload,
@@ -230,19 +254,27 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
     repeat returns its entry's result, or is generated in full if that entry can no longer be read."""
     started = time.perf_counter()
     warnings = []
+    check = getattr(runner, "check_unchanged", None)
+    if check is not None:
+        check()
     if decision.exact_repeat:
         final = _stored_final(store, decision.entry_id)
         if final is not None:
             return _replayed(final.to(probed.latent.device), decision, store,
-                             {"probe": probed.seconds, "replay": time.perf_counter() - started})
+                             {"probe": probed.seconds, "replay": time.perf_counter() - started}, probed)
         warnings.append(f"entry {decision.entry_id} could not be replayed: this request was generated in full")
         decision = dataclasses.replace(decision, reuse=False, exact_repeat=False, entry_id=None,
                                        resume_step=probed.probe_steps, reasons=warnings[-1:])
     latent, observer, connectivity = _continue(runner, probed, decision, store, config)
     seconds = {"probe": probed.seconds, "resume": time.perf_counter() - started}
     entry_id = None
+    cost = {"model_calls": probed.model_calls + _calls(runner, observer), "steps_run": probed.probe_steps +
+            observer.steps_run, "step_cache": getattr(runner, "step_cache", None),
+            "step_cache_skipped": observer.step_cache_skipped}
     written = time.perf_counter()
     try:
+        if probed.uncacheable:
+            raise StoreError("its model carries an option Carnator cannot fingerprint")
         entry_id = store.put(
             bucket=probed.bucket, prompt=prompt, seed=seed, steps=probed.steps, probe_steps=probed.probe_steps,
             signature=probed.signature,
@@ -250,22 +282,25 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
                                       final=None if decision.reuse else latent),
             latent_shape=probed.latent.shape, thumbnail=thumbnail_png(runner.preview(latent)),
             reused_from=decision.entry_id if decision.reuse else None,
-            extra={"decision": decision.summary()}, request_key=probed.request_key)
+            extra={"decision": {**decision.summary(), **cost}}, request_key=probed.request_key)
     except StoreError as error:
         warnings.append(f"not stored: {error}")
-        log.warning("carnator: %s", warnings[-1])
+        if not probed.uncacheable:
+            log.warning("carnator: %s", warnings[-1])
     seconds["write_back"] = time.perf_counter() - written
-    return GenerationResult(latent, decision, probed.probe_steps + observer.model_calls, entry_id, seconds,
-                            warnings + store.drain_problems())
+    return GenerationResult(latent, decision, cost["model_calls"], entry_id, seconds,
+                            warnings + store.drain_problems(), cost["steps_run"], cost["step_cache"],
+                            cost["step_cache_skipped"])
 
 
 def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorStore, config: CarnatorConfig,
              prompt: str = "", seed: int = 0) -> GenerationResult:
     _validate_request(runner, noise, sigmas, config)
     identity = request_identity(runner, noise, sigmas)
-    replayed = replay(store, identity, len(sigmas) - 1, config, noise.device)
-    if replayed is not None:
-        return replayed
+    if not getattr(runner, "uncacheable", ""):
+        replayed = replay(store, identity, len(sigmas) - 1, config, noise.device)
+        if replayed is not None:
+            return replayed
     probed = probe(runner, noise, sigmas, config, identity)
     started = time.perf_counter()
     candidates = lookup(store, probed, config)

@@ -258,7 +258,8 @@ def test_model_patch_changes_the_bucket(comfy, plugin, tiny_model, counted, cond
     assert patched.add_patches({key: ("diff", (delta,))}, 1.0) == [key]
     _, summary = sample(comfy, patched, cache, positive, negative, latent)
     assert not summary["reuse"]
-    assert summary["reasons"] == ["no earlier generation of this model, shape and schedule is in the cache"]
+    assert summary["reasons"] == ["no earlier generation of this model, shape and schedule is in the cache "
+                                  "(this model: weight patches on 1 weights (LoRA-style))"]
 
     half = counted.model.clone()
     half.add_patches({key: ("diff", (delta,))}, 0.5)
