@@ -27,7 +27,7 @@ from carnator_engine.sparse_attention import (  # noqa: E402
     token_blocks_from_mask,
 )
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="flex path needs CUDA")
+needs_cuda = pytest.mark.gpu   # the flex path (tests/conftest.py skips it without a CUDA GPU)
 
 
 def qkv(B=1, H=2, L=70, D=16, seed=0, dtype=torch.float32, device="cpu"):
