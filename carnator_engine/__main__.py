@@ -103,7 +103,7 @@ def run_stats(args) -> int:
 
 def run_clear(args) -> int:
     store = _open_store(args.cache, args.size_limit_mb)
-    print(f"removed {store.clear()} entries from {store.directory}")
+    print(f"removed {store.clear()} entries from {store.location}")
     return 0
 
 

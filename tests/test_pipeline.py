@@ -7,6 +7,7 @@ from carnator_engine.euler import TinyDiTRunner
 from carnator_engine.pipeline import CarnatorConfig, checkpoint_steps, decide, generate, lookup, probe, resume
 from carnator_engine.schedule import flow_sigmas
 from carnator_engine.store import CarnatorStore
+from store_damage import edit_meta, get_raw, set_raw
 
 SIGMAS = flow_sigmas(12)
 
@@ -76,7 +77,7 @@ def test_a_staged_exact_repeat_whose_entry_is_gone_is_generated_in_full(tiny_mod
     probed = probe(runner, _noise(1), SIGMAS, config)
     decision = decide(probed, lookup(store, probed, config), config)
     assert decision.exact_repeat
-    store._cache.set(("blob", first.entry_id), b"torn")  # between the gate and the resume
+    set_raw(store, first.entry_id, "blob", b"torn")  # between the gate and the resume
     result = resume(runner, probed, decision, store, config)
     assert not result.decision.reuse and result.model_calls == 12 and result.entry_id
     assert any("could not be replayed" in w for w in result.warnings)
@@ -95,13 +96,11 @@ def test_a_corrupt_final_latent_is_reported_and_the_request_generated(tiny_model
     from safetensors.torch import load, save
     first = _run(tiny_model, store, "a red circle moving left", 1)
     record = store.record(first.entry_id)
-    tensors = load(store._cache.get(("blob", first.entry_id)))
+    tensors = load(get_raw(store, first.entry_id, "blob"))
     tensors["final"] = tensors["final"][..., :-1].contiguous()  # a wrong shape under a valid checksum
     blob = save(tensors)
-    meta = store._cache.get(("meta", first.entry_id))
-    meta["blob_sha256"] = hashlib.sha256(blob).hexdigest()
-    store._cache.set(("blob", first.entry_id), blob)
-    store._cache.set(("meta", first.entry_id), meta)
+    set_raw(store, first.entry_id, "blob", blob)
+    edit_meta(store, first.entry_id, lambda meta: meta.update(blob_sha256=hashlib.sha256(blob).hexdigest()))
     result = _run(tiny_model, store, "a red circle moving left", 1)
     assert not result.decision.reuse and result.model_calls == 12
     assert any(record.entry_id in w and "final latent has shape" in w for w in result.warnings)
@@ -176,7 +175,7 @@ def test_full_connectivity_resume_equals_dense_resume(tiny_model, tmp_path):
 
 def test_corrupt_entry_falls_back_to_a_full_generation(tiny_model, store):
     first = _run(tiny_model, store, "a red circle moving left", 1)
-    store._cache.set(("sig", first.entry_id), b"garbage")
+    set_raw(store, first.entry_id, "sig", b"garbage")
     result = _run(tiny_model, store, "a red circle moving left", 1)
     assert not result.decision.reuse and result.model_calls == 12
     assert any(first.entry_id in warning and "corrupt" in warning for warning in result.warnings)

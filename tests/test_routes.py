@@ -11,6 +11,7 @@ import torch
 from carnator_engine.euler import TinyDiTRunner
 from carnator_engine.pipeline import CarnatorConfig, generate
 from carnator_engine.schedule import flow_sigmas
+from store_damage import set_raw
 
 routes = pytest.importorskip("nodes.routes", reason="nodes.routes does not import here")
 stores = pytest.importorskip("nodes.stores")
@@ -116,7 +117,7 @@ def test_record_json_and_store_functions(registry, tiny_model):
 def test_corrupt_entries_are_listed_with_their_reason(registry, tiny_model):
     store = stores.open_store(registry, 64 << 20)
     entry = make_entry(store, tiny_model, "a green triangle moving right on gray background")
-    store._cache.set(("blob", entry), b"garbage")
+    set_raw(store, entry, "blob", b"garbage")
     record = store.record(entry)
     with pytest.raises(Exception):
         store.trajectory(record)
@@ -161,7 +162,7 @@ def test_handlers_over_http(registry, tiny_model, tmp_path):
         body = await response.json()
         assert {e["id"] for e in body["entries"]} == {kept, gone}
 
-        response = await client.get("/carnator/entries", params={"cache": other.directory})
+        response = await client.get("/carnator/entries", params={"cache": other.location})
         assert [e["id"] for e in (await response.json())["entries"]] == [elsewhere]
 
         response = await client.get(f"/carnator/entries/{kept}/thumbnail")
@@ -171,7 +172,7 @@ def test_handlers_over_http(registry, tiny_model, tmp_path):
         response = await client.get("/carnator/stats")
         stats = await response.json()
         assert stats["entries"] == 2 and stats["bytes"] > 0
-        assert {s["directory"] for s in stats["stores"]} == {store.directory, other.directory}
+        assert {s["directory"] for s in stats["stores"]} == {store.location, other.location}
 
         for method, path in [("GET", "/carnator/entries/NOT-AN-ID/thumbnail"),
                              ("DELETE", "/carnator/entries/0123456789ABCDEF"),
@@ -184,7 +185,7 @@ def test_handlers_over_http(registry, tiny_model, tmp_path):
         response = await client.delete("/carnator/entries/ffffffffffffffff")
         assert response.status == 404 and "no cache entry" in (await response.json())["error"]
 
-        for attempt in ["/etc", "../..", str(tmp_path), os.path.join(other.directory, "..")]:
+        for attempt in ["/etc", "../..", str(tmp_path), os.path.join(other.location, "..")]:
             response = await client.get("/carnator/entries", params={"cache": attempt})
             assert response.status == 400, attempt
             assert "not a Carnator store" in (await response.json())["error"] or "absolute" in \
@@ -203,7 +204,7 @@ def test_handlers_over_http(registry, tiny_model, tmp_path):
         assert (await response.json()) == {"deleted": 1}
         response = await client.get("/carnator/entries")
         assert (await response.json())["entries"] == []
-        response = await client.get("/carnator/entries", params={"cache": other.directory})
+        response = await client.get("/carnator/entries", params={"cache": other.location})
         assert len((await response.json())["entries"]) == 1  # clearing one store leaves the others
 
     run_client(scenario)

@@ -6,6 +6,7 @@ import torch
 
 from carnator_engine.signature import EarlySignature
 from carnator_engine.store import CarnatorStore, CorruptEntryError, StoreError, TrajectoryPayload
+from store_damage import drop_raw, get_raw, set_raw
 
 
 def _signature(seed=0):
@@ -34,16 +35,16 @@ def test_round_trip_and_restart(store, tmp_path):
     # A fresh process sees the same entry: the store lives on disk, not in memory.
     code = ("import sys; sys.path.insert(0, %r); from carnator_engine.store import CarnatorStore; "
             "s = CarnatorStore(%r, 64 << 20); print([r.entry_id for r in s.records()])")
-    out = subprocess.run([sys.executable, "-c", code % (sys.path[0], store.directory)], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code % (sys.path[0], store.location)], capture_output=True,
                          text=True, check=True).stdout
     assert entry in out
 
 
 def test_flipped_bytes_are_detected_reported_and_skipped(store):
     good, bad = _put(store, 0), _put(store, 1)
-    blob = bytearray(store._cache.get(("blob", bad)))
+    blob = bytearray(get_raw(store, bad, "blob"))
     blob[-10] ^= 0xFF
-    store._cache.set(("blob", bad), bytes(blob))
+    set_raw(store, bad, "blob", bytes(blob))
     with pytest.raises(CorruptEntryError, match="checksum"):
         store.trajectory(store.record(bad))
     assert any(bad in problem for problem in store.drain_problems())
@@ -55,14 +56,14 @@ def test_flipped_bytes_are_detected_reported_and_skipped(store):
 
 def test_torn_entry_without_blob_is_skipped(store):
     entry = _put(store)
-    store._cache.delete(("blob", entry))
+    drop_raw(store, entry, "blob")
     with pytest.raises(CorruptEntryError, match="missing"):
         store.trajectory(store.record(entry))
 
 
 def test_entry_without_metadata_is_invisible(store):
     entry = _put(store)
-    store._cache.delete(("meta", entry))
+    drop_raw(store, entry, "meta")
     assert store.records() == []
 
 
