@@ -25,3 +25,13 @@ def store(tmp_path):
     opened = CarnatorStore(str(tmp_path / "cache"), size_limit_bytes=64 << 20)
     yield opened
     opened.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server for one test (AOF on, so a restart keeps what was acknowledged)."""
+    from redis_server import RedisServer, require_redis_server
+    require_redis_server()
+    server = RedisServer(str(tmp_path / "redis"), appendonly=True).start()
+    yield server
+    server.stop()
