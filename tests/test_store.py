@@ -104,3 +104,119 @@ def test_delete_clear_and_stats(store):
         store.record(first)
     assert store.clear() == 1 and store.records() == []
     assert second not in [r.entry_id for r in store.records()]
+
+
+# ---- both backends ------------------------------------------------------------------------------
+
+@pytest.fixture(params=["disk", "redis"])
+def location(request, tmp_path):
+    """A fresh store location of each backend: a directory, or the URL of a throwaway redis-server."""
+    if request.param == "disk":
+        return str(tmp_path / "cache")
+    return request.getfixturevalue("redis_server").url
+
+
+def test_both_backends_round_trip_delete_and_share_their_writes(location):
+    first, second = CarnatorStore(location, 64 << 20), CarnatorStore(location, 64 << 20)
+    entry = _put(first, 0)
+    payload = second.trajectory(second.record(entry))     # written by another instance, seen without reopening
+    assert torch.equal(payload.checkpoints[6], payload.checkpoints[4] * 2)
+    assert second.stats()["entries"] == 1 and second.shortlist("b", _signature(0), 3) == [entry]
+    assert second.delete(entry) and first.shortlist("b", _signature(0), 3) == []
+    assert first.stats()["entries"] == 0
+    first.close(), second.close()
+
+
+def test_damaged_metadata_is_reported_and_removed_not_fatal(location):
+    store = CarnatorStore(location, 64 << 20)
+    good, bad = _put(store, 0), _put(store, 1)
+    set_raw(store, bad, "meta", b"\x80\x04garbage that does not parse")  # what a torn or damaged value looks like
+    reopened = CarnatorStore(location, 64 << 20)
+    assert [r.entry_id for r in reopened.records(include_corrupt=True)] == [good]
+    assert reopened.stats()["entries"] == 1
+    assert any(bad in p and "metadata does not parse" in p for p in reopened.drain_problems())
+    assert _put(reopened, 2) and reopened.exact_repeat("b", "") is None
+    set_raw(store, good, "meta", b"{}")                 # damaged under a running store: only that entry is lost
+    with pytest.raises(CorruptEntryError, match="metadata does not parse"):
+        store.record(good)
+    assert good not in [r.entry_id for r in store.records()] and store.stats()["entries"] == 1
+    store.close(), reopened.close()
+
+
+def test_an_entry_deleted_during_a_read_is_gone_not_corrupt(location):
+    store = CarnatorStore(location, 64 << 20)
+    entry = _put(store, 0)
+    record = store.record(entry)
+    other = CarnatorStore(location, 64 << 20)
+    other.delete(entry)                              # another worker evicts it between the record and the read
+    with pytest.raises(StoreError, match="deleted or evicted meanwhile") as caught:
+        store.trajectory(record)
+    assert not isinstance(caught.value, CorruptEntryError) and store.drain_problems() == []
+    store.close(), other.close()
+
+
+def test_non_finite_values_are_refused_before_anything_is_stored(location):
+    store = CarnatorStore(location, 64 << 20)
+    broken = _signature(0)
+    broken.denoised[0, 0, 0, 0] = float("nan")
+    latent = torch.zeros(1, 1, 1, 1, 10).half()
+    with pytest.raises(StoreError, match="non-finite"):
+        store.put(bucket="b", prompt="p", seed=0, steps=10, probe_steps=2, signature=broken,
+                  payload=TrajectoryPayload({4: latent}, {}), latent_shape=latent.shape)
+    with pytest.raises(StoreError, match="checkpoint 4 holds non-finite"):
+        store.put(bucket="b", prompt="p", seed=0, steps=10, probe_steps=2, signature=_signature(0),
+                  payload=TrajectoryPayload({4: latent + float("inf")}, {}), latent_shape=latent.shape)
+    assert store.stats()["entries"] == 0 and store.records(include_corrupt=True) == []
+    for limit in (float("nan"), float("inf"), "8"):
+        with pytest.raises(ValueError, match="not a finite number"):
+            store.set_size_limit(limit)
+    store.close()
+
+
+def test_a_non_finite_lookup_signature_finds_nothing_and_says_why(store):
+    from carnator_engine.index import nearest
+    _put(store, 0)
+    broken = _signature(0)
+    broken.hidden[0, 0, 0] = float("nan")
+    assert nearest(store, "b", broken) == []
+    assert any("non-finite" in p for p in store.drain_problems())
+
+
+def test_the_index_shortlist_finds_the_nearest_among_many(tmp_path):
+    store = CarnatorStore(str(tmp_path / "c"), 256 << 20)
+    ids = [_put(store, seed, checkpoint_elems=10) for seed in range(300)]
+    from carnator_engine.index import nearest
+    for seed in (3, 150, 299):
+        query = _signature(seed)
+        query.denoised += 0.01 * torch.randn(query.denoised.shape, generator=torch.Generator().manual_seed(9))
+        assert nearest(store, "b", query, limit=1)[0].record.entry_id == ids[seed]
+    reopened = CarnatorStore(str(tmp_path / "c"), 256 << 20)     # rebuilt at open from the stored vectors
+    assert reopened.shortlist("b", _signature(42), 1) == [ids[42]]
+
+
+def test_lineage_keeps_a_full_generation_among_the_candidates_of_its_hits(store):
+    """The crowding sequence of issue 16: a full generation F, then three hits made from it whose signatures lie
+    nearer the next request than F's; each hit keeps only the checkpoints after its resume step (4), so a gate that
+    sees only the three of them finds "no checkpoint between step 4 and step 4" and misses."""
+    from carnator_engine.index import nearest
+    base = _signature(0)
+
+    def put(signature, checkpoints, reused_from=None):
+        latent = torch.zeros(1, 1, 1, 1, 10).half()
+        payload = TrajectoryPayload({s: latent.clone() for s in checkpoints}, {})
+        return store.put(bucket="b", prompt="p", seed=0, steps=10, probe_steps=2, signature=signature,
+                         payload=payload, latent_shape=latent.shape, reused_from=reused_from)
+
+    def near(scale):
+        shifted = _signature(0)
+        shifted.denoised = base.denoised + scale
+        return shifted
+    full = put(near(0.3), [3, 4, 5, 6])
+    hit = put(near(0.05), [5, 6], reused_from=full)
+    hit_of_hit = put(near(0.06), [5, 6], reused_from=hit)
+    third = put(near(0.07), [5, 6], reused_from=full)
+    other = put(near(-0.5), [3, 4, 5, 6])                        # another generation, further away
+    assert store.record(hit_of_hit).lineage == full and store.record(full).lineage == full
+    candidates = [c.record.entry_id for c in nearest(store, "b", base, limit=3)]
+    assert full in candidates and other in candidates             # F is not crowded out by its own hits
+    assert candidates[0] == hit and third not in candidates       # one slot per lineage: its nearest, and F
