@@ -229,3 +229,35 @@ def test_unexpected_failures_are_json_500(registry):
             body = await response.json()
             assert response.status == 500 and body["status"] == 500 and "disk on fire" in body["error"]
     asyncio.run(main())
+
+
+def test_oversized_and_deeply_nested_bodies_are_413_and_400(registry):
+    async def scenario(client):
+        response = await client.post("/carnator/clear", data=b"{" + b" " * (2 << 20) + b"}",
+                                     headers={"Content-Type": "application/json"})
+        assert response.status == 413 and "over 1048576 bytes" in (await response.json())["error"]
+        nested = b"[" * 100_000 + b"]" * 100_000
+        response = await client.post("/carnator/clear", data=nested, headers={"Content-Type": "application/json"})
+        assert response.status == 400 and "not (plain) JSON" in (await response.json())["error"]
+    run_client(scenario)
+
+
+def test_a_redis_store_is_listed_without_its_password(registry, tiny_model, tmp_path):
+    from redis_server import RedisServer, require_redis_server
+    require_redis_server()
+    server = RedisServer(str(tmp_path / "redis"), password="s3cret-Pass").start()
+    try:
+        url = f"redis://:s3cret-Pass@127.0.0.1:{server.port}/0"
+        store = stores.open_store(url, 64 << 20)
+        entry = make_entry(store, tiny_model, "a red circle moving left on black background", seed=1)
+        assert stores.open_store(url, 64 << 20) is store
+        shown = store.location
+        assert shown == server.url and "s3cret" not in shown
+        listing = routes.list_entries(routes.resolve_store(shown))
+        stats = routes.store_stats(store)
+        assert [e["id"] for e in listing["entries"]] == [entry]
+        assert "s3cret" not in json.dumps([listing, stats, routes.store_directories()])
+        with pytest.raises(routes.RequestError):
+            routes.resolve_store(url)             # the password-bearing URL is never a name the browser may use
+    finally:
+        server.stop()

@@ -220,3 +220,113 @@ def test_lineage_keeps_a_full_generation_among_the_candidates_of_its_hits(store)
     candidates = [c.record.entry_id for c in nearest(store, "b", base, limit=3)]
     assert full in candidates and other in candidates             # F is not crowded out by its own hits
     assert candidates[0] == hit and third not in candidates       # one slot per lineage: its nearest, and F
+
+
+# ---- crashes and damage of the disk backend -------------------------------------------------------
+
+CRASH = """
+import os, sys
+sys.path.insert(0, {root!r})
+from carnator_engine.backends import disk
+from carnator_engine.store import CarnatorStore
+store = CarnatorStore({directory!r}, 64 << 20)
+real_remove, real_transact = os.remove, store._backend._cache.transact
+def remove(path, *args, **kwargs):
+    if path.endswith('.blob') and {at!r} == 'unlink':
+        os._exit(9)             # killed between the delete's commit and the blob's unlink
+    return real_remove(path, *args, **kwargs)
+def transact(*args, **kwargs):
+    if {at!r} == 'commit':
+        os._exit(9)             # killed between the blob's write and the metadata's commit
+    return real_transact(*args, **kwargs)
+os.remove = remove
+store._backend._cache.transact = transact
+{work}
+"""
+
+
+def _crash(directory, at, work):
+    import os
+    code = CRASH.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), directory=directory,
+                        at=at, work=work)
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+
+
+def _age_blobs(directory):
+    import os
+    blobs = os.path.join(directory, "blobs")
+    for name in os.listdir(blobs):
+        os.utime(os.path.join(blobs, name), (0, 0))   # older than the grace given to writes in flight
+    return len(os.listdir(blobs))
+
+
+def test_a_crash_during_delete_never_tears_a_committed_entry(tmp_path):
+    directory = str(tmp_path / "c")
+    store = CarnatorStore(directory, 64 << 20)
+    kept, doomed = _put(store, 0), _put(store, 1)
+    store.close()
+    _crash(directory, "unlink", f"store.delete({doomed!r})")
+    assert _age_blobs(directory) == 2                      # the doomed blob outlived its metadata: an orphan
+    reopened = CarnatorStore(directory, 64 << 20)
+    assert [r.entry_id for r in reopened.records(include_corrupt=True)] == [kept]
+    assert reopened.orphans_reclaimed == 1 and reopened.stats()["orphans_reclaimed"] == 1
+    assert reopened.trajectory(reopened.record(kept)).checkpoints and reopened.drain_problems() == []
+
+
+def test_a_crash_during_a_write_leaves_an_orphan_that_the_next_open_reclaims(tmp_path):
+    directory = str(tmp_path / "c")
+    store = CarnatorStore(directory, 64 << 20)
+    kept = _put(store, 0)
+    store.close()
+    _crash(directory, "commit",
+           "import torch\nfrom carnator_engine.store import TrajectoryPayload\n"
+           "from carnator_engine.signature import EarlySignature\n"
+           "sig = EarlySignature(torch.ones(2, 3, 64), torch.ones(3, 4, 4, 4), torch.full((3, 4, 4), 0.25))\n"
+           "store.put(bucket='b', prompt='p', seed=1, steps=10, probe_steps=2, signature=sig, "
+           "payload=TrajectoryPayload({4: torch.zeros(1, 8).half()}, {}), latent_shape=[1, 8])")
+    young = CarnatorStore(directory, 64 << 20)             # within the grace period: maybe a write in flight
+    assert young.orphans_reclaimed == 0 and [r.entry_id for r in young.records()] == [kept]
+    young.close()
+    assert _age_blobs(directory) == 2
+    reopened = CarnatorStore(directory, 64 << 20)
+    assert reopened.orphans_reclaimed == 1 and [r.entry_id for r in reopened.records()] == [kept]
+
+
+def test_the_size_limit_holds_on_disk_including_sqlite_files(tmp_path):
+    import os
+    directory = tmp_path / "c"
+    limit = 2 << 20
+    store = CarnatorStore(str(directory), limit)
+    for seed in range(40):
+        _put(store, seed, checkpoint_elems=30_000)         # ~120 KB per entry: 40 of them would be ~4.8 MB
+        on_disk = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        assert on_disk <= limit, (seed, on_disk)
+    stats = store.stats()
+    assert stats["bytes"] <= limit and stats["overhead_bytes"] > 0 and 5 <= stats["entries"] < 40
+    assert os.path.exists(directory / "cache.db")
+
+
+def test_unusable_cache_db_is_a_clear_error(tmp_path, monkeypatch):
+    import sqlite3
+
+    import diskcache
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "cache.db").write_bytes(b"")
+    with pytest.raises(StoreError, match=r"empty.*cache.db is empty.*delete the directory"):
+        CarnatorStore(str(empty))
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "cache.db").write_bytes(b"this is not an SQLite database" * 100)
+    with pytest.raises(StoreError, match=r"damaged.*cache.db is damaged: move the directory away"):
+        CarnatorStore(str(damaged))
+    misplaced = tmp_path / "misplaced"
+    (misplaced / "cache.db").mkdir(parents=True)
+    with pytest.raises(StoreError, match=r"misplaced.*cache.db is not a file"):
+        CarnatorStore(str(misplaced))
+
+    def read_only(*args, **kwargs):     # root ignores file modes, so the error SQLite gives is injected
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+    monkeypatch.setattr(diskcache, "Cache", read_only)
+    with pytest.raises(StoreError, match=r"read_only.*read-only: fix its permissions"):
+        CarnatorStore(str(tmp_path / "read_only"))
