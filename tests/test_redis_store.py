@@ -80,3 +80,13 @@ def test_a_dropped_connection_mid_request_is_a_full_generation(redis_server, tin
     redis_server.start()
     again = generate(TinyDiTRunner(tiny_model, "a red circle"), noise, sigmas, store, config)
     assert again.decision.exact_repeat and again.model_calls == 0
+
+
+def test_the_cli_takes_a_redis_url_and_never_prints_its_password(locked, capsys, monkeypatch):
+    from carnator_engine.__main__ import main
+    monkeypatch.delenv("CARNATOR_REDIS_PASSWORD", raising=False)
+    assert main(["stats", "--cache", f"redis://:{QUOTED}@127.0.0.1:{locked.port}/0"]) == 0
+    assert main(["stats", "--cache", locked.url]) == 2
+    out = capsys.readouterr()
+    assert '"entries": 0' in out.out and "asks for a password" in out.err
+    assert "Secret" not in out.out + out.err
