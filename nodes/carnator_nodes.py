@@ -56,6 +56,17 @@ def _request_inputs(probe_steps_default: int = 3) -> dict:
     }
 
 
+# Wan 2.2 A14B: the second expert and where it takes over (ComfyUI's template: 20 steps, switch at step 10)
+_EXPERT_INPUTS = {
+    "low_noise_model": ("MODEL", {"tooltip": "Wan 2.2 A14B's low-noise expert: runs the steps from the switch on "
+                                             "('model' is then the high-noise expert). Leave unconnected for one model."}),
+    "switch_step": ("INT", {"default": 0, "min": 0, "max": 10000, "tooltip":
+                            "Step at which the low-noise expert takes over (the first KSamplerAdvanced's end_at_step "
+                            "in ComfyUI's template). 0 = from boundary_sigma."}),
+    "boundary_sigma": ("FLOAT", {"default": 0.875, "min": 0.0, "max": 1.0, "step": 0.001, "tooltip":
+                                 "With switch_step 0: the high-noise expert runs every step whose sigma is at least "
+                                 "this (Wan 2.2 T2V: 0.875)."}),
+}
 _HIDDEN = {"unique_id": "UNIQUE_ID", "prompt": "PROMPT"}
 _RISK = (list(RISK_LEVELS), {"default": "balanced",
                              "tooltip": "safe: reuse only close matches, resume early; aggressive: reuse more, resume later."})
@@ -94,7 +105,8 @@ class DecisionBundle:
     config: pipeline.CarnatorConfig
 
 
-def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler):
+def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
+             probe_steps, experts: dict):
     """Checks a request's inputs; returns (runner, noise, prepared latent). Nothing is run or stored yet.
     The runner reports its steps to ComfyUI's progress bar (and latent previews when enabled)."""
     import comfy.sample
@@ -106,10 +118,14 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
         raise fail(node, "cfg", f"cfg={cfg} must be >= 0")
     try:
         runner = ComfyRunner(model, positive, negative, cfg, sampler_name, scheduler=scheduler, steps=int(steps),
-                             seed=int(seed))
+                             seed=int(seed), **experts)
     except ValueError as error:
-        name = "sampler_name" if "sampler_name" in str(error) else "scheduler" if "scheduler" in str(error) else "model"
+        name = getattr(error, "input_name", None) or (
+            "sampler_name" if "sampler_name" in str(error) else "scheduler" if "scheduler" in str(error) else "model")
         raise fail(node, name, str(error)) from None
+    if runner.switch_step is not None and int(probe_steps) > runner.switch_step:
+        raise fail(node, "probe_steps", f"probe_steps={probe_steps} is beyond the switch to the low-noise expert "
+                                        f"(step {runner.switch_step}): the probe runs on the high-noise expert")
     noise = comfy.sample.prepare_noise(latent.samples, int(seed), latent.extra.get("batch_index"))
     runner = runner.with_step_callback(progress_callback(model, int(steps)))
     return runner, noise, latent
@@ -173,7 +189,7 @@ class CarnatorEarlyProbe:
         inputs["block_size"] = ("INT", {"default": 0, "min": 0, "max": 1024, "step": 16,
                                         "tooltip": "Tokens per attention block; 0 picks FlexAttention's 128 "
                                                    "on GPUs and 64 on the CPU."})
-        return {"required": inputs, "hidden": dict(_HIDDEN)}
+        return {"required": inputs, "optional": dict(_EXPERT_INPUTS), "hidden": dict(_HIDDEN)}
 
     RETURN_TYPES = ("CARNATOR_PROBE",)
     RETURN_NAMES = ("probe",)
@@ -181,11 +197,11 @@ class CarnatorEarlyProbe:
     CATEGORY = CATEGORY
 
     def probe(self, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-              probe_steps, block_size, unique_id=None, prompt=None):
+              probe_steps, block_size, unique_id=None, prompt=None, **experts):
         node = "Carnator Early Probe"
         config = make_config(node, steps, probe_steps, block_size=block_size or _default_block_size(model))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
-                                         sampler_name, scheduler)
+                                         sampler_name, scheduler, probe_steps, experts)
         probed = pipeline.probe(runner, noise, runner.sigmas, config)
         return (ProbeBundle(runner, probed, config, int(seed), prompt_text(prompt, unique_id), latent.extra),)
 
@@ -330,7 +346,8 @@ class CarnatorSampler:
         inputs = {"model": inputs.pop("model"), "cache": ("CARNATOR_CACHE",), **inputs}
         inputs["risk"] = _RISK
         inputs["sparse_attention"] = ("BOOLEAN", {"default": True})
-        return {"required": inputs, "optional": {"attention_density": _ATTENTION_DENSITY}, "hidden": dict(_HIDDEN)}
+        return {"required": inputs, "optional": {"attention_density": _ATTENTION_DENSITY, **_EXPERT_INPUTS},
+                "hidden": dict(_HIDDEN)}
 
     RETURN_TYPES = ("LATENT", "STRING")
     RETURN_NAMES = ("latent", "summary_json")
@@ -338,13 +355,13 @@ class CarnatorSampler:
     CATEGORY = CATEGORY
 
     def sample(self, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-               probe_steps, risk, sparse_attention, attention_density=1.0, unique_id=None, prompt=None):
+               probe_steps, risk, sparse_attention, attention_density=1.0, unique_id=None, prompt=None, **experts):
         node = "Carnator Sampler"
         store = _check_store(node, cache)
         config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention,
                              max_density=check_attention_density(node, attention_density))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
-                                         sampler_name, scheduler)
+                                         sampler_name, scheduler, probe_steps, experts)
         result = pipeline.generate(runner, noise, runner.sigmas, store, config,
                                    prompt=prompt_text(prompt, unique_id), seed=int(seed))
         summary = result.summary()

@@ -45,6 +45,11 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+class ExpertMismatchError(ValueError):
+    """A low-noise expert that cannot continue the high-noise expert's trajectory."""
+    input_name = "low_noise_model"
+
+
 @dataclass(frozen=True)
 class HostBackbone:
     model_class: str      # ComfyUI's model_base class, e.g. "WAN21"
@@ -230,6 +235,14 @@ def _guidance_text(model_options: dict) -> str:
     return ";".join(names)
 
 
+def _parameter_shapes(model) -> dict:
+    return {name: tuple(t.shape) for name, t in model.model.diffusion_model.state_dict().items()}
+
+
+def _parameter_count(model) -> int:
+    return sum(t.numel() for t in model.model.diffusion_model.parameters())
+
+
 # ---- one run ----------------------------------------------------------------------------------
 
 class _Run:
@@ -366,7 +379,9 @@ class ComfyRunner:
 
     def __init__(self, model, positive, negative, cfg: float, sampler_name: str, scheduler: Optional[str] = None,
                  sigmas: Optional[torch.Tensor] = None, steps: Optional[int] = None, seed: int = 0,
-                 step_callback: Optional[StepCallback] = None, disable_pbar: bool = True):
+                 step_callback: Optional[StepCallback] = None, disable_pbar: bool = True,
+                 low_noise_model=None, switch_step: int = 0, boundary_sigma: float = 0.0):
+        """`low_noise_model`: Wan 2.2 A14B's second expert, run from the switch on (see expert_switch_step)."""
         import comfy.samplers
         self.backbone = backbone_for(model)
         self.layout = self.backbone.layout
@@ -397,6 +412,45 @@ class ComfyRunner:
         self.sampler = f"{sampler_name}/cfg={cfg:g}" + (f"/{guidance}" if guidance else "")
         self.model_fingerprint = model_fingerprint(model, self.backbone)
         self.request_fingerprint = conditioning_fingerprint(positive, negative, self.seed)
+        self.low_noise_model, self.switch_step = None, None
+        if low_noise_model is not None:
+            self._add_low_noise_expert(low_noise_model, sampler_name, scheduler, steps, switch_step, boundary_sigma)
+
+    def _add_low_noise_expert(self, low, sampler_name, scheduler, steps, switch_step, boundary_sigma) -> None:
+        """Checks that `low` continues this model's trajectories (same architecture and size, same schedule) and
+        resolves the switch; the bucket then holds both experts' fingerprints and the switch step."""
+        try:
+            low_backbone = backbone_for(low)
+        except UnsupportedModelError as error:
+            raise ExpertMismatchError(str(error)) from None
+        if low_backbone != self.backbone or _parameter_shapes(low) != _parameter_shapes(self.model):
+            raise ExpertMismatchError(
+                f"the low-noise expert ({low_backbone.model_class}, {low_backbone.layout.name}, "
+                f"{low_backbone.num_blocks} blocks, {_parameter_count(low) / 1e6:.1f} M parameters) is not the same "
+                f"architecture and size as the high-noise model ({self.backbone.model_class}, "
+                f"{self.backbone.layout.name}, {self.backbone.num_blocks} blocks, "
+                f"{_parameter_count(self.model) / 1e6:.1f} M parameters): connect the other expert of the same pair")
+        if scheduler is not None and steps is not None:
+            low_sigmas = self.schedule(low, sampler_name, scheduler, steps)
+            if not torch.allclose(low_sigmas.float().cpu(), self.sigmas, atol=1e-6):
+                raise ExpertMismatchError(
+                    "the low-noise expert samples another sigma schedule than the high-noise model (a different "
+                    "shift, e.g. ModelSamplingSD3): give both experts the same model sampling")
+        from ..schedule import expert_switch_step
+        self.switch_step = expert_switch_step(self.sigmas, switch_step, boundary_sigma)
+        self.low_noise_model = low
+        low_fingerprint = model_fingerprint(low, low_backbone)
+        self.model_fingerprint = hashlib.sha256(
+            f"{self.model_fingerprint}|low_noise={low_fingerprint}|switch={self.switch_step}".encode()).hexdigest()[:24]
+        low_guidance = _guidance_text(low.model_options)
+        if low_guidance:
+            self.sampler += f"/low_noise:{low_guidance}"
+
+    def expert_for(self, step: int):
+        """The model that runs `step`."""
+        if self.low_noise_model is not None and step >= self.switch_step:
+            return self.low_noise_model
+        return self.model
 
     @staticmethod
     def schedule(model, sampler_name: str, scheduler: str, steps: int) -> torch.Tensor:
@@ -432,9 +486,9 @@ class ComfyRunner:
         clone.step_callback = step_callback
         return clone
 
-    def _patched_clone(self, run: _Run):
+    def _patched_clone(self, source, run: _Run):
         from comfy.patcher_extension import WrappersMP
-        model = self.model.clone()
+        model = source.clone()
         replaced = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
         for index in range(self.backbone.num_blocks):
             inner = replaced.get(("double_block", index))
@@ -446,19 +500,29 @@ class ComfyRunner:
         return model
 
     def run(self, x: torch.Tensor, sigmas: torch.Tensor, start: int, end: int, observer) -> torch.Tensor:
-        """Steps [start, end) from the model-space latent entering `start`; returns the one entering `end`."""
-        import comfy.sample
-        import comfy.samplers
+        """Steps [start, end) from the model-space latent entering `start`; returns the one entering `end`. With two
+        experts the steps split at the switch, as ComfyUI's two KSamplerAdvanced do (the first returns its latent
+        with the leftover noise, the second continues it without adding noise)."""
         steps = len(sigmas) - 1
         if not 0 <= start <= end <= steps:
             raise ValueError(f"steps [{start}, {end}) are outside the schedule's {steps} steps")
         if start == end:
             return x
+        switch = self.switch_step
+        if switch is not None and start < switch < end:
+            x = self._run(self.model, x, sigmas, start, switch, observer)
+            start = switch
+        return self._run(self.expert_for(start), x, sigmas, start, end, observer)
+
+    def _run(self, source, x: torch.Tensor, sigmas: torch.Tensor, start: int, end: int, observer) -> torch.Tensor:
+        import comfy.sample
+        import comfy.samplers
+        steps = len(sigmas) - 1
         schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
         # a copy: some host samplers write into the sigmas they are given (uni_pc sets the last one to 0.001)
         sub = schedule[start:end + 1].clone()
         run = _Run(observer, self.layout, schedule, start, end, steps, self.step_callback)
-        model = self._patched_clone(run)
+        model = self._patched_clone(source, run)
         x = x.detach().to("cpu", torch.float32)
         sigma0 = float(sub[0])
         if sigma0 >= 1.0 or math.isclose(sigma0, 1.0, rel_tol=1e-6):
@@ -493,5 +557,5 @@ class ComfyRunner:
         return (rgb / rgb.abs().amax().clamp_min(1e-6)).clamp(-1, 1)
 
 
-__all__ = ["ComfyRunner", "UnsupportedModelError", "HostBackbone", "backbone_for", "model_fingerprint",
+__all__ = ["ComfyRunner", "UnsupportedModelError", "ExpertMismatchError", "HostBackbone", "backbone_for", "model_fingerprint",
            "conditioning_fingerprint", "host_version", "HOOK_KEY", "SUPPORTED_TEXT"]

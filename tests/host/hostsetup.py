@@ -79,30 +79,32 @@ def import_host(path: str):
     return nodes
 
 
-def build_tiny_wan(directory: str, seed: int = 0) -> str:
-    """A 2-block, dim-256 Wan 2.1 T2V model with random weights, saved where UNETLoader finds it."""
+def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: int = 2) -> str:
+    """A dim-256 Wan 2.1 T2V model (2 blocks unless told) with random weights, saved where UNETLoader finds it
+    (Wan 2.2 A14B's experts are this class too: two of them, other seeds, are a tiny two-expert pair)."""
     import safetensors.torch
     import torch
     import comfy.ops
     import folder_paths
     from comfy.ldm.wan.model import WanModel
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, TINY_WAN)
+    path = os.path.join(directory, name)
     if not os.path.exists(path):
         generator = torch.Generator().manual_seed(seed)
         model = WanModel(model_type="t2v", patch_size=(1, 2, 2), in_dim=16, dim=256, ffn_dim=512, freq_dim=256,
-                         text_dim=4096, out_dim=16, num_heads=2, num_layers=2, operations=comfy.ops.disable_weight_init)
+                         text_dim=4096, out_dim=16, num_heads=2, num_layers=layers,
+                         operations=comfy.ops.disable_weight_init)
         with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
+            for key, parameter in model.named_parameters():
+                if key.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
                     parameter.fill_(1.0)
-                elif name.endswith("norm3.bias"):
+                elif key.endswith("norm3.bias"):
                     parameter.zero_()
                 else:
                     parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
         safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
     folder_paths.add_model_folder_path("diffusion_models", directory)
-    return TINY_WAN
+    return name
 
 
 TINY_LTXV = "carnator_test_tiny_ltxv.safetensors"

@@ -35,10 +35,10 @@ def open_cache(comfy, directory, size_gb=1.0):
 
 def sample(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
            risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
-           attention_density=1.0):
+           attention_density=1.0, **experts):
     out = node(comfy, "CarnatorSampler").sample(model, cache, positive, negative, latent, seed, steps, cfg,
                                                   sampler_name, "simple", probe_steps, risk, sparse_attention,
-                                                  attention_density, unique_id=unique_id, prompt=prompt)
+                                                  attention_density, unique_id=unique_id, prompt=prompt, **experts)
     latent_out, summary_json = out["result"]
     summary = json.loads(summary_json)
     verdict = "REPEAT" if summary["exact_repeat"] else "HIT" if summary["reuse"] else "MISS"
