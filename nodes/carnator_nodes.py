@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
+from typing import Optional
 
 from carnator_engine import pipeline
 from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, SWITCHES, Decision
@@ -85,6 +86,7 @@ class ProbeBundle:
     seed: int
     prompt: str
     latent_extra: dict
+    directory: Optional[str] = None   # the cache the probe checked for an exact repeat
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -189,7 +191,10 @@ class CarnatorEarlyProbe:
         inputs["block_size"] = ("INT", {"default": 0, "min": 0, "max": 1024, "step": 16,
                                         "tooltip": "Tokens per attention block; 0 picks FlexAttention's 128 "
                                                    "on GPUs and 64 on the CPU."})
-        return {"required": inputs, "optional": dict(_EXPERT_INPUTS), "hidden": dict(_HIDDEN)}
+        optional = {"cache": ("CARNATOR_CACHE", {"tooltip": "Connect the Carnator Cache to answer an exact repeat "
+                                                            "with its stored result before any probe step runs."}),
+                    **_EXPERT_INPUTS}
+        return {"required": inputs, "optional": optional, "hidden": dict(_HIDDEN)}
 
     RETURN_TYPES = ("CARNATOR_PROBE",)
     RETURN_NAMES = ("probe",)
@@ -197,13 +202,15 @@ class CarnatorEarlyProbe:
     CATEGORY = CATEGORY
 
     def probe(self, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-              probe_steps, block_size, unique_id=None, prompt=None, **experts):
+              probe_steps, block_size, unique_id=None, prompt=None, cache=None, **experts):
         node = "Carnator Early Probe"
+        store = None if cache is None else _check_store(node, cache)
         config = make_config(node, steps, probe_steps, block_size=block_size or _default_block_size(model))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
                                          sampler_name, scheduler, probe_steps, experts)
-        probed = pipeline.probe(runner, noise, runner.sigmas, config)
-        return (ProbeBundle(runner, probed, config, int(seed), prompt_text(prompt, unique_id), latent.extra),)
+        probed = pipeline.probe(runner, noise, runner.sigmas, config, store=store)
+        return (ProbeBundle(runner, probed, config, int(seed), prompt_text(prompt, unique_id), latent.extra,
+                            None if store is None else store.directory),)
 
 
 def _check_probe(node: str, probe) -> ProbeBundle:
@@ -229,9 +236,14 @@ class CarnatorSignatureCacheLookup:
         bundle = _check_probe(node, probe)
         if int(limit) < 1:
             raise fail(node, "limit", f"limit={limit} must be >= 1")
+        if bundle.directory is not None and bundle.directory != store.directory:
+            raise fail(node, "cache", f"is {store.directory!r} but the probe checked {bundle.directory!r}: connect "
+                                      "the same Carnator Cache to the Early Probe, Lookup and Resume")
         config = dataclasses.replace(bundle.config, lookup_limit=int(limit))
         candidates = pipeline.lookup(store, bundle.probed, config)
-        lines = [f"{len(candidates)} candidate(s)"] + [
+        repeat = bundle.probed.repeat
+        lines = [f"exact repeat of entry {repeat[0]}: no lookup needed"] if repeat is not None else \
+            [f"{len(candidates)} candidate(s)"] + [
             f"{c.record.entry_id}: denoised {c.distance.denoised:.3f}, hidden {c.distance.hidden:.4f}, "
             f"attention {c.distance.attention:.3f}" for c in candidates]
         return {"ui": {"text": ["\n".join(lines)]},

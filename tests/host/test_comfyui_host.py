@@ -285,17 +285,19 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
         instance=types.SimpleNamespace(send_sync=lambda event, data, sid=None: events.append((event, data))))
     monkeypatch.setitem(sys.modules, "server", fake_server)
 
-    def run_stages(risk="balanced", request_positive=positive, **thresholds):
+    def run_stages(risk="balanced", request_positive=positive, probe_cache=None, **thresholds):
         probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, request_positive, negative, latent, SEED, STEPS,
-                                                        CFG, "euler", "simple", PROBE, 64, unique_id="3", prompt=None)[0]
+                                                        CFG, "euler", "simple", PROBE, 64, unique_id="3", prompt=None,
+                                                        cache=probe_cache)[0]
         matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
         gate = node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, risk, unique_id="4", **thresholds)
         decision, decision_json = gate["result"]
         resumed = node(comfy, "CarnatorTrajectoryResume").resume(cache, probe, decision, True, unique_id="5")
         return probe, matches, json.loads(decision_json), resumed["result"]
 
-    _, _, first_decision, (latent_out, summary_json) = run_stages()
-    assert not first_decision["reuse"] and json.loads(summary_json)["stored_as"]
+    _, _, first_decision, (latent_out, summary_json) = run_stages(probe_cache=cache)   # nothing to repeat yet
+    first_entry = json.loads(summary_json)["stored_as"]
+    assert not first_decision["reuse"] and first_entry
     assert latent_out["samples"].shape == latent["samples"].shape
     counted.take()
     probe, matches, decision, (_, summary_json) = run_stages("balanced", nudged(positive), max_hidden=0.5,
@@ -311,6 +313,16 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
     assert repeat["exact_repeat"] and repeat["entry_id"] == json.loads(summary_json)["entry_id"]
     assert counted.take() == PROBE == json.loads(summary_json)["model_calls"]
     assert torch.equal(repeated["samples"], latent_out["samples"])
+    # with the cache connected to the Early Probe, the repeat is found before any probe step runs
+    _, matches, repeat, (repeated, summary_json) = run_stages(probe_cache=cache)
+    assert repeat["exact_repeat"] and matches.candidates == [] and repeat["entry_id"] == first_entry
+    assert counted.take() == 0 == json.loads(summary_json)["model_calls"]
+    assert torch.equal(repeated["samples"], latent_out["samples"])
+    assert cache.record(first_entry).hits == 3                 # the hit, the repeat after probing, this one
+    with pytest.raises(ValueError, match=r"Signature Cache Lookup: input 'cache': .*connect the same Carnator Cache"):
+        probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED, STEPS, CFG,
+                                                        "euler", "simple", PROBE, 64, cache=cache)[0]
+        node(comfy, "CarnatorSignatureCacheLookup").lookup(open_cache(comfy, tmp_path / "other"), probe, 3)
 
     other_probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED + 1, STEPS,
                                                           CFG, "euler", "simple", PROBE, 64)[0]
