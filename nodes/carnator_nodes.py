@@ -43,7 +43,7 @@ def _schedulers() -> list:
 
 def _request_inputs(probe_steps_default: int = 3) -> dict:
     return {
-        "model": ("MODEL", {"tooltip": "A Wan 2.1/2.2 or LTX-Video model (LoRAs and patches are part of the cache key)."}),
+        "model": ("MODEL", {"tooltip": "A Wan 2.1/2.2, HunyuanVideo or LTX-Video model (LoRAs and patches are part of the cache key); with a low_noise_model, Wan 2.2 A14B's high-noise expert."}),
         "positive": ("CONDITIONING",),
         "negative": ("CONDITIONING",),
         "latent_image": ("LATENT", {"tooltip": "An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1."}),

@@ -86,7 +86,8 @@ class RecordingObserver:
     def block_output(self, index, hidden):
         self.blocks.add((self.inner.step, index, tuple(hidden.shape)))
 
-    def self_attention(self, index, q, k, v, dense):
+    def self_attention(self, index, q, k, v, dense, video_tokens=None):
+        assert video_tokens is None                          # Wan attends over the video tokens alone
         self.attention += 1
         assert q.dim() == 4 and q.shape[2] == 320          # [B, heads, L, D], L = 5*8*8 video tokens
         return dense(q, k, v)
@@ -447,8 +448,8 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     bad_sample(r"input 'attention_density': attention_density=nan is not a finite number",
                attention_density=float("nan"))
 
-    hunyuan = types.SimpleNamespace(model=type("HunyuanVideo", (), {"diffusion_model": None})())
-    bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideo .*joint", model=hunyuan)
+    hunyuan = types.SimpleNamespace(model=type("HunyuanVideoI2V", (), {"diffusion_model": None})())
+    bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideoI2V .*image-to-video", model=hunyuan)
 
     probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED, STEPS, CFG,
                                                     "euler", "simple", PROBE, 0)[0]
