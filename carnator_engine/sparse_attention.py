@@ -99,6 +99,7 @@ __all__ = [
     "prepare_flex",
     "select_connectivity",
     "token_blocks_from_mask",
+    "with_dense_tail",
 ]
 
 FLEX_TILE = 128
@@ -313,6 +314,18 @@ def densify(
         cols = _as_block_mask_vector(dense_key_blocks, nkb, "dense_key_blocks", out.device)
         out[:, cols] = True
     return out
+
+
+def with_dense_tail(connectivity: torch.Tensor, block_size: int, video_tokens: int, q_len: int,
+                    kv_len: int) -> torch.Tensor:
+    """A video connectivity extended to a joint sequence (the video's tokens first, then others, e.g. text): every
+    block holding any token past ``video_tokens`` is dense as a query and as a key, so those tokens attend and are
+    attended in full; blocks of video tokens alone keep the video table."""
+    video_blocks = video_tokens // block_size
+    table = torch.ones(num_blocks(q_len, block_size), num_blocks(kv_len, block_size), dtype=torch.bool,
+                       device=connectivity.device)
+    table[:video_blocks, :video_blocks] = connectivity[:video_blocks, :video_blocks]
+    return table
 
 
 def token_blocks_from_mask(token_mask: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -758,11 +771,15 @@ class BlockSparseAttention:
 
     # -- running ---------------------------------------------------------------
 
-    def _prepared_table(self, block_index: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        key = (int(block_index), str(q.device), q.shape[2], k.shape[2])
+    def _prepared_table(self, block_index: int, q: torch.Tensor, k: torch.Tensor,
+                        video_tokens: int | None = None) -> torch.Tensor:
+        key = (int(block_index), str(q.device), q.shape[2], k.shape[2], video_tokens)
         table = self._prepared.get(key)
         if table is None:
-            table = self.effective_connectivity(block_index).to(q.device)
+            table = self.effective_connectivity(block_index)
+            if video_tokens is not None:
+                table = with_dense_tail(table, self.block_size, video_tokens, q.shape[2], k.shape[2])
+            table = table.to(q.device)
             _check_connectivity(table, q.shape[2], k.shape[2], self.block_size)
             self._prepared[key] = table
         return table
@@ -774,23 +791,26 @@ class BlockSparseAttention:
         k: torch.Tensor,
         v: torch.Tensor,
         scale: float | None = None,
+        video_tokens: int | None = None,
     ) -> torch.Tensor:
+        """``video_tokens``: the table covers only the first ``video_tokens`` of q and k (joint attention over
+        video then text tokens); the rest attend and are attended densely (:func:`with_dense_tail`)."""
         if int(block_index) not in self.connectivities:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
         _check_qkv(q, k, v)
-        table = self._prepared_table(block_index, q, k)
+        table = self._prepared_table(block_index, q, k, video_tokens)
+        # the table is fixed for this block and these shapes, so the kernel's index tensors are built once
+        rkey = (int(block_index), str(q.device), tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype, scale,
+                video_tokens)
         if self.backend in ("auto", "fa4") and fa4_attention.supports(q, self.block_size):
-            rkey = (int(block_index), str(q.device), "fa4", scale)
-            run = self._runners.get(rkey)
+            run = self._runners.get(rkey + ("fa4",))
             if run is None:
-                run = self._runners[rkey] = fa4_attention.prepare(table, self.block_size, scale)
+                run = self._runners[rkey + ("fa4",)] = fa4_attention.prepare(table, self.block_size, scale)
             return run(q, k, v)
         if self.backend == "fa4":
             return block_sparse_attention(q, k, v, table, self.block_size, scale=scale, backend="fa4",
                                           validate=False)  # raises, naming what fa4 needs
         if self.backend != "sdpa" and _HAS_FLEX and q.is_cuda:
-            # the table is fixed for this block, so its BlockMask is built once
-            rkey = (int(block_index), str(q.device), tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype, scale)
             run = self._runners.get(rkey)
             if run is None:
                 try:
