@@ -159,6 +159,12 @@ def cost_text(summary: dict) -> str:
 
 
 def summary_text(summary: dict) -> str:
+    """The node's one-line verdict, then any warning (a store fault that made the request a full generation)."""
+    warnings = "".join(f"\nwarning: {w}" for w in summary.get("warnings") or [])
+    return _verdict(summary) + warnings
+
+
+def _verdict(summary: dict) -> str:
     steps, k = summary.get("steps"), summary.get("resume_step")
     risk = summary.get("risk")
     stored = f"; stored as {summary['stored_as']}" if summary.get("stored_as") else ""

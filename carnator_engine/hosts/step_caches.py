@@ -47,10 +47,11 @@ class StepCacheCarry:
     """The step cache's state at the end of each run of one request, for a run that continues it."""
 
     def __init__(self):
-        self.saved: dict = {}        # end step -> (state, uuid layout)
+        self.saved: dict = {}        # (expert, end step) -> (state, uuid layout)
 
-    def begin_run(self, holder, guider, start: int, records_signature: bool) -> int:
-        """At a run's first evaluation; returns the holder's skip count after the hand-over."""
+    def begin_run(self, holder, guider, start: tuple, records_signature: bool) -> int:
+        """At a run's first evaluation (start: (expert, step)); returns the holder's skip count after the
+        hand-over. Two experts (Wan 2.2 A14B) keep apart, as two KSamplerAdvanced with EasyCache each do."""
         saved = self.saved.get(start)
         if saved is not None:
             self._restore(holder, guider, *saved)
@@ -76,7 +77,7 @@ class StepCacheCarry:
         state = {name: _copy(value) for name, value in vars(holder).items() if name not in _NOT_STATE}
         return state, _uuid_layout(guider)
 
-    def end_run(self, end: int, snapshot: Optional[tuple]) -> None:
+    def end_run(self, end: tuple, snapshot: Optional[tuple]) -> None:
         if snapshot is not None:
             self.saved[end] = snapshot
 
