@@ -11,7 +11,7 @@ runs steps [start, end) and returns the latent entering `end`, and `preview(late
 the cache: an option its fingerprint cannot read), `model_text` (the model's options, for people),
 `step_cache` (the per-request step cache running inside, by name), `counts_forwards` (the runner reports
 each diffusion-model forward to observer.forward(); otherwise a step counts as one call) and
-`check_unchanged()` (raises if the model changed since it was fingerprinted).
+`changed_since_fingerprint()` (why the model no longer matches its fingerprint, "" when it does).
 """
 from __future__ import annotations
 
@@ -307,9 +307,13 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
     repeat returns its entry's result, or is generated in full if that entry can no longer be read."""
     started = time.perf_counter()
     warnings = []
-    check = getattr(runner, "check_unchanged", None)
-    if check is not None and probed.repeat is None:
-        check()
+    changed = getattr(runner, "changed_since_fingerprint", None)
+    why = changed() if changed is not None and probed.repeat is None else ""
+    if why:    # the probe's key no longer describes the model: no cached result for it, nothing stored from it
+        log.warning("carnator: %s", why)
+        probed = dataclasses.replace(probed, uncacheable=why)
+        if decision.reuse:
+            decision = _full_generation(decision, probed, why)
     if decision.exact_repeat:
         held = probed.repeat is not None and probed.repeat[0] == decision.entry_id
         final = probed.repeat[1] if held else _stored_final(store, decision.entry_id)
@@ -328,7 +332,8 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
     written = time.perf_counter()
     try:
         if probed.uncacheable:
-            raise StoreError("its model carries an option Carnator cannot fingerprint")
+            raise StoreError("its model carries an option Carnator cannot fingerprint" if not why else
+                             "its model changed since the probe")
         entry_id = store.put(
             bucket=probed.bucket, prompt=prompt, seed=seed, steps=probed.steps, probe_steps=probed.probe_steps,
             signature=probed.signature,

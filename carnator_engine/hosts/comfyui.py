@@ -488,16 +488,17 @@ class ComfyRunner:
 
     # ---- Runner contract ----
 
-    def check_unchanged(self) -> None:
-        """Raises if the MODEL's options changed since this runner fingerprinted it (a node that edits a model
-        in place between the probe and the resume): its steps would not be what the probe's key says."""
+    def changed_since_fingerprint(self) -> str:
+        """Why the MODEL no longer matches the key this runner took of it ("" when it does): a node edited it in
+        place between the probe and the resume, or one of its options changes while it runs."""
         digest, text, _ = self._key()
-        if digest != self.model_fingerprint:
-            raise ValueError(
-                "Carnator: the MODEL changed between the probe and the resume (now: "
-                f"{text or 'no options'}; at the probe: {self.model_text or 'no options'}): nothing was "
-                "stored; run the probe again. An option that changes while it runs (a closure over a counter or "
-                "a cache) cannot be fingerprinted: its node can declare a `carnator_fingerprint`")
+        if digest == self.model_fingerprint:
+            return ""
+        return ("the MODEL changed between the probe and the resume (now: "
+                f"{text or 'no options'}; at the probe: {self.model_text or 'no options'}): this request is "
+                "finished from its own probe without the cache, and not stored. An option that changes while it "
+                "runs (a closure over a counter or a cache) cannot be fingerprinted: its node can declare a "
+                "`carnator_fingerprint`")
 
     def with_step_callback(self, step_callback: Optional[StepCallback]) -> "ComfyRunner":
         clone = object.__new__(ComfyRunner)

@@ -124,6 +124,8 @@ class _Walk:
             self._value(f"{path}.__self__", value.__self__, depth + 1)
         elif isinstance(value, types.FunctionType):
             self._function(path, value, depth)
+        elif isinstance(value, types.ModuleType):     # a closure over an imported module: its name says it
+            self._text(f"pymodule:{value.__name__}")
         elif isinstance(value, (types.BuiltinFunctionType, type)):
             self._text(f"{getattr(value, '__module__', '')}.{_qualname(value)}")
         elif isinstance(value, torch.nn.Module):
