@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Accuracy against model calls saved, per method: what a user would pick instead of Carnator (fewer steps, a
 step-skipping cache) and Carnator on top of each. Reads quality.py JSON files (several are pooled, request-weighted,
-with the paired accuracy change against no reuse and its 95 % interval, quality_suite.pool); writes a markdown
+with the paired change of requests read all six right against no reuse and its 95 % interval, quality_suite.pool);
+writes a markdown
 table and a PNG plot (one panel per request set: the iteration stream and the adversarial pairs).
 
     python benchmarks/tradeoff.py benchmarks/results/quality/quality_per_request_small_cpu.json \\
@@ -67,7 +68,7 @@ def plot(totals: dict, path: str, title: str) -> None:
         axis.set_xlabel("model calls saved (%)")
         axis.set_title(name)
         axis.grid(alpha=0.3)
-    axes[0].set_ylabel("attribute accuracy change vs no reuse (points, 95 % interval)")
+    axes[0].set_ylabel("requests all six right, change vs no reuse (points, 95 % interval)")
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
