@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # step_skipping, when imported by the tests
 
 from carnator_engine.backbones.tiny_dit import load_tiny_dit  # noqa: E402
 from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, world  # noqa: E402
