@@ -114,9 +114,9 @@ class TrajectoryPayload:
     final: Optional[torch.Tensor] = None
 
 
-def _encode(record: EntryRecord, vector: np.ndarray) -> bytes:
+def _encode(record: EntryRecord, vector: torch.Tensor) -> bytes:
     value = asdict(record)
-    value["vector"] = base64.b64encode(vector.astype(np.float16).tobytes()).decode()
+    value["vector"] = base64.b64encode(vector.to(torch.float16).numpy().tobytes()).decode()
     return json.dumps(value, allow_nan=False).encode()
 
 
@@ -124,11 +124,12 @@ def _decode(data) -> tuple:
     """(record, vector) from stored metadata; ValueError for anything that is not a whole, valid record."""
     try:
         value = json.loads(bytes(data))
-        vector = np.frombuffer(base64.b64decode(value.pop("vector")), dtype=np.float16).astype(np.float32)
+        vector = torch.from_numpy(np.frombuffer(base64.b64decode(value.pop("vector")), dtype=np.float16).astype(
+            np.float32))
         record = EntryRecord(**{k: v for k, v in value.items() if k in RECORD_FIELDS})
     except Exception as error:  # noqa: BLE001 - whatever the damage, the entry is unreadable
         raise ValueError(f"metadata does not parse ({type(error).__name__})") from None
-    if vector.shape != (VECTOR_DIM,) or not np.isfinite(vector).all():
+    if tuple(vector.shape) != (VECTOR_DIM,) or not bool(torch.isfinite(vector).all()):
         raise ValueError("metadata holds no valid signature vector")
     return record, vector
 
@@ -148,6 +149,8 @@ class _Indexed:
     corrupt: bool
     repeat_key: Optional[str]   # request key of a full generation (exact repeats), else None
     created: float
+    root: str                   # its lineage: the full generation it descends from
+    sig_sha256: str
 
 
 class CarnatorStore:
@@ -207,7 +210,8 @@ class CarnatorStore:
         self._forget(entry_id)
         repeat = record.request_key if record.reused_from is None and record.request_key else None
         self._entries[entry_id] = _Indexed(record.bucket, record.size_bytes, record.hits, record.steps_saved,
-                                           record.corrupt is not None, repeat, record.created)
+                                           record.corrupt is not None, repeat, record.created, record.root,
+                                           record.sig_sha256)
         self._bytes += record.size_bytes
         if record.corrupt is None:
             self._buckets.setdefault(record.bucket, BucketMatrix()).add(entry_id, vector)
@@ -255,6 +259,13 @@ class CarnatorStore:
             self._sync()
             matrix = self._buckets.get(bucket)
             return matrix.nearest(vector, count) if matrix is not None else []
+
+    def lineage_of(self, entry_id: str) -> tuple:
+        """(lineage, created) of an indexed entry, from memory: the full generation it descends from, and when it
+        was stored (what orders equally near candidates, oldest first)."""
+        with self._lock:
+            indexed = self._entries.get(entry_id)
+            return (indexed.root, indexed.created) if indexed is not None else (entry_id, 0.0)
 
     def index_bytes(self) -> int:
         return sum(matrix.nbytes() for matrix in self._buckets.values())
@@ -402,24 +413,36 @@ class CarnatorStore:
                                     "removed") from None
 
     def signature(self, record: EntryRecord) -> EarlySignature:
+        return self._signature(record.entry_id, record.sig_sha256, record.corrupt)
+
+    def signature_of(self, entry_id: str) -> EarlySignature:
+        """An indexed entry's signature without reading its metadata (the checksum is in memory): what a lookup
+        reads for each entry of its shortlist."""
         with self._lock:
-            cached = self._signatures.get(record.entry_id)
-            if cached is not None and not record.corrupt:
-                self._signatures.move_to_end(record.entry_id)
+            indexed = self._entries.get(entry_id)
+        if indexed is None:
+            raise StoreError(f"cache entry {entry_id} was deleted or evicted meanwhile")
+        return self._signature(entry_id, indexed.sig_sha256, "marked corrupt" if indexed.corrupt else None)
+
+    def _signature(self, entry_id: str, sha: str, corrupt: Optional[str]) -> EarlySignature:
+        with self._lock:
+            cached = self._signatures.get(entry_id)
+            if cached is not None and not corrupt:
+                self._signatures.move_to_end(entry_id)
                 return cached
-        data = self._checked_bytes(record, "sig", record.sig_sha256)
+        data = self._checked_bytes(entry_id, corrupt, "sig", sha)
         try:
             signature = EarlySignature.from_tensors(load_safetensors(data))
         except Exception as error:  # any parse failure of stored bytes means corruption
-            raise self._mark_corrupt(record.entry_id, f"signature does not parse ({error})")
+            raise self._mark_corrupt(entry_id, f"signature does not parse ({error})")
         with self._lock:
-            self._signatures[record.entry_id] = signature
+            self._signatures[entry_id] = signature
             while len(self._signatures) > SIGNATURE_CACHE:
                 self._signatures.popitem(last=False)
         return signature
 
     def trajectory(self, record: EntryRecord) -> TrajectoryPayload:
-        data = self._checked_bytes(record, "blob", record.blob_sha256)
+        data = self._checked_bytes(record.entry_id, record.corrupt, "blob", record.blob_sha256)
         try:
             tensors = load_safetensors(data)
         except Exception as error:
@@ -461,18 +484,18 @@ class CarnatorStore:
 
     # ---- corruption ----------------------------------------------------------------------------
 
-    def _checked_bytes(self, record: EntryRecord, kind: str, sha: str) -> bytes:
-        if record.corrupt:
-            raise CorruptEntryError(f"cache entry {record.entry_id} is corrupt ({record.corrupt}); it was skipped")
-        data = self._backend.part(record.entry_id, kind)
+    def _checked_bytes(self, entry_id: str, corrupt: Optional[str], kind: str, sha: str) -> bytes:
+        if corrupt:
+            raise CorruptEntryError(f"cache entry {entry_id} is corrupt ({corrupt}); it was skipped")
+        data = self._backend.part(entry_id, kind)
         if data is None:
-            if self._backend.meta(record.entry_id) is None:  # deleted or evicted while it was being read
+            if self._backend.meta(entry_id) is None:  # deleted or evicted while it was being read
                 with self._lock:
-                    self._forget(record.entry_id)
-                raise StoreError(f"cache entry {record.entry_id} was deleted or evicted meanwhile")
-            raise self._mark_corrupt(record.entry_id, f"its {kind} data is missing")
+                    self._forget(entry_id)
+                raise StoreError(f"cache entry {entry_id} was deleted or evicted meanwhile")
+            raise self._mark_corrupt(entry_id, f"its {kind} data is missing")
         if _sha256(data) != sha:
-            raise self._mark_corrupt(record.entry_id, f"its {kind} data does not match its checksum")
+            raise self._mark_corrupt(entry_id, f"its {kind} data does not match its checksum")
         return data
 
     def _mark_corrupt(self, entry_id: str, why: str) -> CorruptEntryError:
