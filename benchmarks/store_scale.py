@@ -16,6 +16,7 @@ the run short (it is not what is measured).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -52,14 +53,17 @@ class Signatures:
     def __init__(self, seed: int = 0, per_session: int = 10):
         self.seed, self.per_session = seed, per_session
 
+    @functools.lru_cache(maxsize=4)
+    def centre(self, session: int) -> tuple:
+        centre = torch.Generator().manual_seed(self.seed * 1_000_003 + session)
+        return (torch.randn(PROBE_STEPS, BLOCKS, 64, generator=centre), torch.randn(CHANNELS, 8, 8, 8, generator=centre),
+                torch.softmax(torch.randn(BLOCKS, 16, 16, generator=centre), -1))
+
     def get(self, index: int, jitter: float = 0.0) -> EarlySignature:
-        centre = torch.Generator().manual_seed(self.seed * 1_000_003 + index // self.per_session)
+        hidden, denoised, attention = self.centre(index // self.per_session)
         own = torch.Generator().manual_seed(self.seed * 1_000_003 + 7_919 * (index + 1))
-        hidden = torch.randn(PROBE_STEPS, BLOCKS, 64, generator=centre) + 0.2 * torch.randn(
-            PROBE_STEPS, BLOCKS, 64, generator=own)
-        denoised = torch.randn(CHANNELS, 8, 8, 8, generator=centre) + 0.3 * torch.randn(
-            CHANNELS, 8, 8, 8, generator=own)
-        attention = torch.softmax(torch.randn(BLOCKS, 16, 16, generator=centre), -1)
+        hidden = hidden + 0.2 * torch.randn(PROBE_STEPS, BLOCKS, 64, generator=own)
+        denoised = denoised + 0.3 * torch.randn(CHANNELS, 8, 8, 8, generator=own)
         if jitter:   # a request near this entry: its own noise moved a little
             moved = torch.Generator().manual_seed(self.seed * 1_000_003 + 104_729 * (index + 1))
             denoised = denoised + jitter * torch.randn(denoised.shape, generator=moved)
@@ -230,6 +234,7 @@ def main(argv=None) -> int:
                        "fill_s": round(fill_s, 1)}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
+                write(args.out, rows, None, load, args)   # a run cut short keeps what it measured
             if backend == "redis":
                 import redis
                 redis.Redis.from_url(server.url).flushall()
@@ -243,15 +248,20 @@ def main(argv=None) -> int:
         print(f"\nWan-1.3B trajectory blob ({blob['blob_mb']} MB): Redis write {blob['redis_write_s']} s, read "
               f"{blob['redis_read_s']} s; file (fsync + rename) write {blob['file_write_s']} s, read "
               f"{blob['file_read_s']} s")
+    write(args.out, rows, blob, load, args)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def write(path: str, rows: list, blob, load, args) -> None:
     result = {"rows": rows, "blob": blob, "goals": GOALS, "load_average_at_start": load,
+              "load_average_at_end": os.getloadavg(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                           "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
               "args": vars(args)}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as handle:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
         json.dump(result, handle, indent=2)
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

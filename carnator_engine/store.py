@@ -114,9 +114,9 @@ class TrajectoryPayload:
     final: Optional[torch.Tensor] = None
 
 
-def _encode(record: EntryRecord, vector: torch.Tensor) -> bytes:
+def _encode(record: EntryRecord, vector) -> bytes:
     value = asdict(record)
-    value["vector"] = base64.b64encode(vector.to(torch.float16).numpy().tobytes()).decode()
+    value["vector"] = base64.b64encode(np.asarray(vector, dtype=np.float16).tobytes()).decode()
     return json.dumps(value, allow_nan=False).encode()
 
 
@@ -124,12 +124,11 @@ def _decode(data) -> tuple:
     """(record, vector) from stored metadata; ValueError for anything that is not a whole, valid record."""
     try:
         value = json.loads(bytes(data))
-        vector = torch.from_numpy(np.frombuffer(base64.b64decode(value.pop("vector")), dtype=np.float16).astype(
-            np.float32))
+        vector = np.frombuffer(base64.b64decode(value.pop("vector")), dtype=np.float16).astype(np.float32)
         record = EntryRecord(**{k: v for k, v in value.items() if k in RECORD_FIELDS})
     except Exception as error:  # noqa: BLE001 - whatever the damage, the entry is unreadable
         raise ValueError(f"metadata does not parse ({type(error).__name__})") from None
-    if tuple(vector.shape) != (VECTOR_DIM,) or not bool(torch.isfinite(vector).all()):
+    if vector.shape != (VECTOR_DIM,) or not np.isfinite(vector).all():
         raise ValueError("metadata holds no valid signature vector")
     return record, vector
 
@@ -214,7 +213,10 @@ class CarnatorStore:
                                            record.sig_sha256)
         self._bytes += record.size_bytes
         if record.corrupt is None:
-            self._buckets.setdefault(record.bucket, BucketMatrix()).add(entry_id, vector)
+            matrix = self._buckets.get(record.bucket)
+            if matrix is None:
+                matrix = self._buckets[record.bucket] = BucketMatrix()
+            matrix.add(entry_id, vector)
             if repeat:
                 self._repeats.setdefault((record.bucket, repeat), set()).add(entry_id)
         self._queue.set(entry_id, priority(record.corrupt is not None, record.benefit, record.last_used))

@@ -52,26 +52,27 @@ def compact_vector(signature: EarlySignature) -> torch.Tensor:
 
 
 class BucketMatrix:
-    """One bucket's vectors as rows of a matrix (grown by doubling, removals swap the last row in)."""
+    """One bucket's vectors as rows of a matrix (grown by doubling, removals swap the last row in). Rows live in
+    numpy (a row write is a memory copy, not a torch op); a lookup multiplies them as a torch view."""
 
     def __init__(self):
-        self.rows = torch.zeros(16, VECTOR_DIM)
-        self.norms = torch.zeros(16)
+        self.rows = np.zeros((16, VECTOR_DIM), dtype=np.float32)
+        self.norms = np.zeros(16, dtype=np.float32)
         self.ids: list = []
         self.position: dict = {}
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def add(self, entry_id: str, vector: torch.Tensor) -> None:
+    def add(self, entry_id: str, vector: np.ndarray) -> None:
         if entry_id in self.position:
             self.remove(entry_id)
         n = len(self.ids)
         if n == len(self.rows):
-            self.rows = torch.cat([self.rows, torch.zeros_like(self.rows)])
-            self.norms = torch.cat([self.norms, torch.zeros_like(self.norms)])
+            self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
+            self.norms = np.concatenate([self.norms, np.zeros_like(self.norms)])
         self.rows[n] = vector
-        self.norms[n] = float(vector @ vector)
+        self.norms[n] = float(np.dot(vector, vector))
         self.ids.append(entry_id)
         self.position[entry_id] = n
 
@@ -91,9 +92,10 @@ class BucketMatrix:
         n = len(self.ids)
         if n == 0:
             return []
-        distances = self.norms[:n] - 2.0 * torch.mv(self.rows[:n], vector)
+        rows, norms = torch.from_numpy(self.rows[:n]), torch.from_numpy(self.norms[:n])
+        distances = norms - 2.0 * torch.mv(rows, vector.float())
         chosen = torch.topk(distances, min(count, n), largest=False, sorted=True).indices
         return [self.ids[i] for i in chosen.tolist()]
 
     def nbytes(self) -> int:
-        return self.rows.numel() * 4 + self.norms.numel() * 4
+        return self.rows.nbytes + self.norms.nbytes
