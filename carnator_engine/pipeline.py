@@ -67,14 +67,15 @@ class CarnatorConfig:
 
 @dataclass
 class ProbeResult:
-    latent: torch.Tensor        # entering step probe_steps
-    denoised: torch.Tensor      # x0-hat from the last probe step
-    signature: EarlySignature
+    latent: Optional[torch.Tensor]        # entering step probe_steps; None for an exact repeat (nothing ran)
+    denoised: Optional[torch.Tensor]      # x0-hat from the last probe step
+    signature: Optional[EarlySignature]
     sigmas: torch.Tensor
     probe_steps: int
     bucket: str
     request_key: str
     seconds: float
+    repeat: Optional[tuple] = None        # (entry id, final latent) of the full generation this request repeats
 
     @property
     def steps(self) -> int:
@@ -136,11 +137,18 @@ def request_identity(runner, noise: torch.Tensor, sigmas: torch.Tensor) -> tuple
 
 
 def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig,
-          identity: Optional[tuple] = None) -> ProbeResult:
+          identity: Optional[tuple] = None, store: Optional[CarnatorStore] = None) -> ProbeResult:
     """The first steps of the request and its Early Signature; `identity` is request_identity's answer when the
-    caller already has it (hashing a video's noise is not free)."""
+    caller already has it (hashing a video's noise is not free). With a store, an exact repeat of a full generation
+    is found first and nothing runs: the result carries that generation's final latent (`repeat`)."""
     _validate_request(runner, noise, sigmas, config)
     started = time.perf_counter()
+    if store is not None:
+        identity = identity or request_identity(runner, noise, sigmas)
+        repeat = _repeated(store, identity)
+        if repeat is not None:
+            return ProbeResult(None, None, None, sigmas, config.probe_steps, *identity,
+                               time.perf_counter() - started, repeat=repeat)
     recorder = SignatureRecorder(config.probe_steps, config.block_size)
     observer = GenerationObserver(signature=recorder)
     x = noise * float(sigmas[0])
@@ -159,12 +167,18 @@ def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorCo
     request that was itself a hit goes through the probe and the gate again, as any other request.
     """
     started = time.perf_counter()
+    repeat = _repeated(store, identity)
+    if repeat is None:
+        return None
+    decision = gate_module.exact_repeat(repeat[0], steps, config.risk)
+    return _replayed(repeat[1].to(device), decision, store, {"replay": time.perf_counter() - started})
+
+
+def _repeated(store: CarnatorStore, identity: tuple) -> Optional[tuple]:
+    """(entry id, final latent) of a readable full generation of exactly this request, or None."""
     record = _degraded(store, "the exact-repeat check", lambda: store.exact_repeat(*identity))
     final = _stored_final(store, record.entry_id) if record is not None else None
-    if final is None:
-        return None
-    decision = gate_module.exact_repeat(record.entry_id, steps, config.risk)
-    return _replayed(final.to(device), decision, store, {"replay": time.perf_counter() - started})
+    return None if final is None else (record.entry_id, final)
 
 
 def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]:
@@ -194,13 +208,19 @@ def _record_hit(store: CarnatorStore, decision: gate_module.Decision) -> None:
 
 
 def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
-    """The nearest entries; none (a full generation, with a warning) when the store cannot be read."""
+    """Nearest entries of the probe's bucket; none for an exact repeat found before probing (it needs none), and
+    none (a full generation, with a warning) when the store cannot be read."""
+    if probed.repeat is not None:
+        return []
     return _degraded(store, "the cache lookup",
                      lambda: nearest(store, probed.bucket, probed.signature, config.lookup_limit), [])
 
 
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gate_module.Decision:
-    """The gate's decision, unless a candidate is a full generation of exactly this request: then its result."""
+    """The gate's decision, unless the request is a full generation's exact repeat (found before probing, or
+    a candidate): then that generation's result."""
+    if probed.repeat is not None:
+        return gate_module.exact_repeat(probed.repeat[0], probed.steps, config.risk)
     for candidate in candidates:
         if candidate.record.replays(probed.request_key):
             return gate_module.exact_repeat(candidate.record.entry_id, probed.steps, config.risk, probed.probe_steps)
@@ -265,9 +285,11 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
     started = time.perf_counter()
     warnings = []
     if decision.exact_repeat:
-        final = _stored_final(store, decision.entry_id)
+        held = probed.repeat is not None and probed.repeat[0] == decision.entry_id
+        final = probed.repeat[1] if held else _stored_final(store, decision.entry_id)
         if final is not None:
-            return _replayed(final.to(probed.latent.device), decision, store,
+            device = probed.latent.device if probed.latent is not None else final.device
+            return _replayed(final.to(device), decision, store,
                              {"probe": probed.seconds, "replay": time.perf_counter() - started})
         warnings.append(f"entry {decision.entry_id} could not be replayed: this request was generated in full")
         decision = _full_generation(decision, probed, warnings[-1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
+from typing import Optional
 
 from carnator_engine import pipeline
 from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, SWITCHES, Decision
@@ -42,7 +43,7 @@ def _schedulers() -> list:
 
 def _request_inputs(probe_steps_default: int = 3) -> dict:
     return {
-        "model": ("MODEL", {"tooltip": "A Wan 2.1/2.2 or LTX-Video model (LoRAs and patches are part of the cache key)."}),
+        "model": ("MODEL", {"tooltip": "A Wan 2.1/2.2, HunyuanVideo or LTX-Video model (LoRAs and patches are part of the cache key); with a low_noise_model, Wan 2.2 A14B's high-noise expert."}),
         "positive": ("CONDITIONING",),
         "negative": ("CONDITIONING",),
         "latent_image": ("LATENT", {"tooltip": "An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1."}),
@@ -56,6 +57,17 @@ def _request_inputs(probe_steps_default: int = 3) -> dict:
     }
 
 
+# Wan 2.2 A14B: the second expert and where it takes over (ComfyUI's template: 20 steps, switch at step 10)
+_EXPERT_INPUTS = {
+    "low_noise_model": ("MODEL", {"tooltip": "Wan 2.2 A14B's low-noise expert: runs the steps from the switch on "
+                                             "('model' is then the high-noise expert). Leave unconnected for one model."}),
+    "switch_step": ("INT", {"default": 0, "min": 0, "max": 10000, "tooltip":
+                            "Step at which the low-noise expert takes over (the first KSamplerAdvanced's end_at_step "
+                            "in ComfyUI's template). 0 = from boundary_sigma."}),
+    "boundary_sigma": ("FLOAT", {"default": 0.875, "min": 0.0, "max": 1.0, "step": 0.001, "tooltip":
+                                 "With switch_step 0: the high-noise expert runs every step whose sigma is at least "
+                                 "this (Wan 2.2 T2V: 0.875)."}),
+}
 _HIDDEN = {"unique_id": "UNIQUE_ID", "prompt": "PROMPT"}
 _RISK = (list(RISK_LEVELS), {"default": "balanced",
                              "tooltip": "safe: reuse only close matches, resume early; aggressive: reuse more, resume later."})
@@ -74,6 +86,7 @@ class ProbeBundle:
     seed: int
     prompt: str
     latent_extra: dict
+    directory: Optional[str] = None   # the cache the probe checked for an exact repeat
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -94,7 +107,8 @@ class DecisionBundle:
     config: pipeline.CarnatorConfig
 
 
-def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler):
+def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
+             probe_steps, experts: dict):
     """Checks a request's inputs; returns (runner, noise, prepared latent). Nothing is run or stored yet.
     The runner reports its steps to ComfyUI's progress bar (and latent previews when enabled)."""
     import comfy.sample
@@ -106,10 +120,14 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
         raise fail(node, "cfg", f"cfg={cfg} must be >= 0")
     try:
         runner = ComfyRunner(model, positive, negative, cfg, sampler_name, scheduler=scheduler, steps=int(steps),
-                             seed=int(seed))
+                             seed=int(seed), **experts)
     except ValueError as error:
-        name = "sampler_name" if "sampler_name" in str(error) else "scheduler" if "scheduler" in str(error) else "model"
+        name = getattr(error, "input_name", None) or (
+            "sampler_name" if "sampler_name" in str(error) else "scheduler" if "scheduler" in str(error) else "model")
         raise fail(node, name, str(error)) from None
+    if runner.switch_step is not None and int(probe_steps) > runner.switch_step:
+        raise fail(node, "probe_steps", f"probe_steps={probe_steps} is beyond the switch to the low-noise expert "
+                                        f"(step {runner.switch_step}): the probe runs on the high-noise expert")
     noise = comfy.sample.prepare_noise(latent.samples, int(seed), latent.extra.get("batch_index"))
     runner = runner.with_step_callback(progress_callback(model, int(steps)))
     return runner, noise, latent
@@ -173,7 +191,10 @@ class CarnatorEarlyProbe:
         inputs["block_size"] = ("INT", {"default": 0, "min": 0, "max": 1024, "step": 16,
                                         "tooltip": "Tokens per attention block; 0 picks FlexAttention's 128 "
                                                    "on GPUs and 64 on the CPU."})
-        return {"required": inputs, "hidden": dict(_HIDDEN)}
+        optional = {"cache": ("CARNATOR_CACHE", {"tooltip": "Connect the Carnator Cache to answer an exact repeat "
+                                                            "with its stored result before any probe step runs."}),
+                    **_EXPERT_INPUTS}
+        return {"required": inputs, "optional": optional, "hidden": dict(_HIDDEN)}
 
     RETURN_TYPES = ("CARNATOR_PROBE",)
     RETURN_NAMES = ("probe",)
@@ -181,13 +202,15 @@ class CarnatorEarlyProbe:
     CATEGORY = CATEGORY
 
     def probe(self, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-              probe_steps, block_size, unique_id=None, prompt=None):
+              probe_steps, block_size, unique_id=None, prompt=None, cache=None, **experts):
         node = "Carnator Early Probe"
+        store = None if cache is None else _check_store(node, cache)
         config = make_config(node, steps, probe_steps, block_size=block_size or _default_block_size(model))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
-                                         sampler_name, scheduler)
-        probed = pipeline.probe(runner, noise, runner.sigmas, config)
-        return (ProbeBundle(runner, probed, config, int(seed), prompt_text(prompt, unique_id), latent.extra),)
+                                         sampler_name, scheduler, probe_steps, experts)
+        probed = pipeline.probe(runner, noise, runner.sigmas, config, store=store)
+        return (ProbeBundle(runner, probed, config, int(seed), prompt_text(prompt, unique_id), latent.extra,
+                            None if store is None else store.directory),)
 
 
 def _check_probe(node: str, probe) -> ProbeBundle:
@@ -213,9 +236,14 @@ class CarnatorSignatureCacheLookup:
         bundle = _check_probe(node, probe)
         if int(limit) < 1:
             raise fail(node, "limit", f"limit={limit} must be >= 1")
+        if bundle.directory is not None and bundle.directory != store.directory:
+            raise fail(node, "cache", f"is {store.directory!r} but the probe checked {bundle.directory!r}: connect "
+                                      "the same Carnator Cache to the Early Probe, Lookup and Resume")
         config = dataclasses.replace(bundle.config, lookup_limit=int(limit))
         candidates = pipeline.lookup(store, bundle.probed, config)
-        lines = [f"{len(candidates)} candidate(s)"] + [
+        repeat = bundle.probed.repeat
+        lines = [f"exact repeat of entry {repeat[0]}: no lookup needed"] if repeat is not None else \
+            [f"{len(candidates)} candidate(s)"] + [
             f"{c.record.entry_id}: denoised {c.distance.denoised:.3f}, hidden {c.distance.hidden:.4f}, "
             f"attention {c.distance.attention:.3f}" for c in candidates]
         return {"ui": {"text": ["\n".join(lines)]},
@@ -330,7 +358,8 @@ class CarnatorSampler:
         inputs = {"model": inputs.pop("model"), "cache": ("CARNATOR_CACHE",), **inputs}
         inputs["risk"] = _RISK
         inputs["sparse_attention"] = ("BOOLEAN", {"default": True})
-        return {"required": inputs, "optional": {"attention_density": _ATTENTION_DENSITY}, "hidden": dict(_HIDDEN)}
+        return {"required": inputs, "optional": {"attention_density": _ATTENTION_DENSITY, **_EXPERT_INPUTS},
+                "hidden": dict(_HIDDEN)}
 
     RETURN_TYPES = ("LATENT", "STRING")
     RETURN_NAMES = ("latent", "summary_json")
@@ -338,13 +367,13 @@ class CarnatorSampler:
     CATEGORY = CATEGORY
 
     def sample(self, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-               probe_steps, risk, sparse_attention, attention_density=1.0, unique_id=None, prompt=None):
+               probe_steps, risk, sparse_attention, attention_density=1.0, unique_id=None, prompt=None, **experts):
         node = "Carnator Sampler"
         store = _check_store(node, cache)
         config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention,
                              max_density=check_attention_density(node, attention_density))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
-                                         sampler_name, scheduler)
+                                         sampler_name, scheduler, probe_steps, experts)
         result = pipeline.generate(runner, noise, runner.sigmas, store, config,
                                    prompt=prompt_text(prompt, unique_id), seed=int(seed))
         summary = result.summary()

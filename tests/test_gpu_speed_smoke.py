@@ -1,8 +1,8 @@
 """CPU smoke run of benchmarks/gpu_speed.py (--smoke: 2 layers, dim 256, N=6, p=2, k=3) through ComfyUI.
 
 Skipped when no ComfyUI checkout is found (COMFYUI_PATH, .host/ComfyUI, /opt/ComfyUI) or its
-dependencies are missing, and when the run takes longer than the budget below (slow or shared CPU):
-the test guards the script's plumbing (ComfyRunner + pipeline miss, hits, overhead, JSON), not speed.
+dependencies are missing. The test guards the script's plumbing (ComfyRunner + pipeline miss, hits, overhead,
+JSON), not speed: its time limit only stops a hung run (the run takes 20-30 s on a shared 2-core CPU).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_speed.py")
-BUDGET_S = 20
+TIME_LIMIT_S = 300
 
 
 def _comfyui():
@@ -44,12 +44,9 @@ def test_gpu_speed_smoke(tmp_path):
         pytest.skip(reason)
     out = tmp_path / "smoke.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", COMFYUI_PATH=_comfyui())
-    try:
-        proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--device", "cpu", "--repeats", "1",
-                               "--out", str(out), "--store-dir", str(tmp_path)],
-                              capture_output=True, text=True, timeout=BUDGET_S, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"smoke run took over {BUDGET_S} s on this CPU")
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--device", "cpu", "--repeats", "1",
+                           "--out", str(out), "--store-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=TIME_LIMIT_S, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     res = data["results"]
