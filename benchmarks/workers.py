@@ -67,6 +67,7 @@ class Pool:
     def __init__(self, context, count: int, locations: list, args):
         self.context, self.args, self.locations = context, args, locations
         self.outbox = context.Queue()
+        self.held: list = []   # answers that arrived while a restarted worker was awaited
         self.inboxes, self.processes = [None] * count, [None] * count
         for index in range(count):
             self.start(index)
@@ -81,8 +82,14 @@ class Pool:
         self.processes[index].start()
 
     def wait_ready(self) -> None:
-        while self.outbox.get(timeout=300)[0] != "ready":
-            pass
+        while True:
+            message = self.outbox.get(timeout=300)
+            if message[0] == "ready":
+                return
+            self.held.append(message)
+
+    def answer(self, timeout: float):
+        return self.held.pop(0) if self.held else self.outbox.get(timeout=timeout)
 
     def stop(self) -> None:
         for index, inbox in enumerate(self.inboxes):
@@ -107,7 +114,7 @@ def serve(pool: Pool, sessions: list, workers: int, faults=None) -> list:
         send(user, 0)
     while in_flight:
         try:
-            message = pool.outbox.get(timeout=600)
+            message = pool.answer(timeout=600)
         except queue.Empty:
             raise RuntimeError(f"no answer for 10 minutes; waiting for {sorted(in_flight)}") from None
         if message[0] != "done":
