@@ -34,6 +34,9 @@ from .signature import EarlySignature
 log = logging.getLogger("carnator.store")
 
 MIN_SIZE_LIMIT = 1 << 20
+# The one default size limit of a cache: the Carnator Cache node, the CLI and the engine use it alike.
+DEFAULT_SIZE_LIMIT = 8 << 30
+CACHE_FILE = "cache.db"   # diskcache's database in a cache folder: a folder without it holds no cache
 
 
 class StoreError(RuntimeError):
@@ -96,7 +99,7 @@ class TrajectoryPayload:
 
 
 class CarnatorStore:
-    def __init__(self, directory: str, size_limit_bytes: int = 4 << 30):
+    def __init__(self, directory: str, size_limit_bytes: int = DEFAULT_SIZE_LIMIT):
         _check_size_limit(size_limit_bytes)
         directory = os.path.abspath(os.path.expanduser(directory))
         try:
