@@ -277,9 +277,9 @@ class SparseCounter:
         self.calls = 0
         counter = self
 
-        def attend(plan, block_index, q, k, v, scale=None):
+        def attend(plan, block_index, q, k, v, scale=None, **joint):
             counter.calls += 1
-            return counter.original(plan, block_index, q, k, v, scale)
+            return counter.original(plan, block_index, q, k, v, scale, **joint)
 
         self.cls.attend = attend
 

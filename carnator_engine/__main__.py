@@ -116,8 +116,8 @@ def run_demo(args) -> int:
 
 def _existing_store(path: str, size_limit_mb: int):
     """The cache at `path`, or None (after saying so) when there is none: nothing is created."""
-    from .store import CACHE_FILE
-    if not os.path.isfile(os.path.join(os.path.expanduser(path), CACHE_FILE)):
+    from .backends import holds_store
+    if not holds_store(path):
         print(f"no Carnator cache at {path} (nothing created): pass --cache the folder of an existing cache",
               file=sys.stderr)
         return None
@@ -147,11 +147,11 @@ def run_clear(args) -> int:
     if store is None:
         return 1
     count = store.stats()["entries"]
-    if not args.yes and not _confirmed(f"delete all {count} entries of the cache at {store.directory}?"):
+    if not args.yes and not _confirmed(f"delete all {count} entries of the cache at {store.location}?"):
         print("nothing deleted: confirm at the prompt, or pass --yes", file=sys.stderr)
         store.close()
         return 1
-    print(f"removed {store.clear()} entries from {store.directory}")
+    print(f"removed {store.clear()} entries from {store.location}")
     store.close()
     return 0
 
@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m carnator_engine", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="replay a short iteration session on the embedded demo model")
-    demo.add_argument("--cache", default="", help="cache directory (default: a fresh temporary one)")
+    demo.add_argument("--cache", default="", help="cache directory or redis:// URL (default: a fresh temporary "
+                                                  "directory)")
     demo.add_argument("--weights", default="", help="tiny DiT checkpoint (default: the embedded demo model)")
     demo.add_argument("--steps", type=_positive_int, default=DEMO_STEPS,
                       help=f"denoising steps N of each request (default {DEMO_STEPS})")
@@ -177,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     clear = commands.add_parser("clear", help="delete every entry of a cache (asks first, unless --yes)")
     clear.add_argument("--yes", action="store_true", help="delete without asking")
     for sub in (stats, clear):
-        sub.add_argument("--cache", required=True, help="the cache's folder")
+        sub.add_argument("--cache", required=True, help="the cache's directory, or redis://[:password@]host:port/db "
+                                                        "(the password may come from CARNATOR_REDIS_PASSWORD)")
     for sub in (demo, stats, clear):
         sub.add_argument("--size-limit-mb", type=_positive_int, default=DEFAULT_SIZE_LIMIT >> 20,
                          help=f"cache size limit in MiB; least useful entries are evicted beyond it "

@@ -55,14 +55,17 @@ class GenerationObserver:
             self.signature.block_output(self.step, block_index, hidden)
 
     def self_attention(self, block_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       dense: AttentionFn = dense_attention) -> torch.Tensor:
-        """q, k, v: [B, heads, L, D], tokens frame-major. Returns [B, heads, L, D]."""
+                       dense: AttentionFn = dense_attention, video_tokens: Optional[int] = None) -> torch.Tensor:
+        """q, k, v: [B, heads, L, D], tokens frame-major. Returns [B, heads, L, D]. With `video_tokens`, the
+        attention is joint (HunyuanVideo): the first video_tokens are the video, the rest text; the signature
+        and the connectivity read the video-video part, and sparse attention keeps the text rows and columns dense."""
+        video_q, video_k = (q, k) if video_tokens is None else (q[:, :, :video_tokens], k[:, :, :video_tokens])
         if self.signature is not None:
-            self.signature.self_attention(self.step, block_index, q, k)
+            self.signature.self_attention(self.step, block_index, video_q, video_k)
         if self.connectivity is not None:
-            self.connectivity.self_attention(self.step, block_index, q, k)
+            self.connectivity.self_attention(self.step, block_index, video_q, video_k)
         if self.sparse is not None and block_index in self.sparse.connectivities:
-            return self.sparse.attend(block_index, q, k, v)
+            return self.sparse.attend(block_index, q, k, v, video_tokens=video_tokens)
         return dense(q, k, v)
 
     def step_end(self, step: int, x_next: torch.Tensor, denoised: torch.Tensor) -> None:

@@ -67,14 +67,15 @@ class CarnatorConfig:
 
 @dataclass
 class ProbeResult:
-    latent: torch.Tensor        # entering step probe_steps
-    denoised: torch.Tensor      # x0-hat from the last probe step
-    signature: EarlySignature
+    latent: Optional[torch.Tensor]        # entering step probe_steps; None for an exact repeat (nothing ran)
+    denoised: Optional[torch.Tensor]      # x0-hat from the last probe step
+    signature: Optional[EarlySignature]
     sigmas: torch.Tensor
     probe_steps: int
     bucket: str
     request_key: str
     seconds: float
+    repeat: Optional[tuple] = None        # (entry id, final latent) of the full generation this request repeats
     bucket_parts: dict = field(default_factory=dict)    # index.bucket_parts: stored with the entry
 
     @property
@@ -110,6 +111,20 @@ def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list
 def _validate_request(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> None:
     config.validate(len(sigmas) - 1)
     runner.layout.token_grid(noise.shape)  # raises a clear error for a latent of the wrong shape
+    for name, tensor in (("sigmas", sigmas), ("noise", noise)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"the {name} hold non-finite values (NaN or inf): check the scheduler and the latent "
+                             "input; nothing was run or stored")
+
+
+def _degraded(store: CarnatorStore, what: str, work, default=None):
+    """work(), or `default` when the store fails it: a store fault costs the request its reuse, never its result.
+    The warning reaches the request's result (store.drain_problems) and the log."""
+    try:
+        return work()
+    except StoreError as error:
+        store.report_problem(f"{what} failed ({error}): this request is generated in full")
+        return default
 
 
 def request_identity(runner, noise: torch.Tensor, sigmas: torch.Tensor) -> tuple:
@@ -123,11 +138,18 @@ def request_identity(runner, noise: torch.Tensor, sigmas: torch.Tensor) -> tuple
 
 
 def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig,
-          identity: Optional[tuple] = None) -> ProbeResult:
+          identity: Optional[tuple] = None, store: Optional[CarnatorStore] = None) -> ProbeResult:
     """The first steps of the request and its Early Signature; `identity` is request_identity's answer when the
-    caller already has it (hashing a video's noise is not free)."""
+    caller already has it (hashing a video's noise is not free). With a store, an exact repeat of a full generation
+    is found first and nothing runs: the result carries that generation's final latent (`repeat`)."""
     _validate_request(runner, noise, sigmas, config)
     started = time.perf_counter()
+    if store is not None:
+        identity = identity or request_identity(runner, noise, sigmas)
+        repeat = _repeated(store, identity)
+        if repeat is not None:
+            return ProbeResult(None, None, None, sigmas, config.probe_steps, *identity,
+                               time.perf_counter() - started, repeat=repeat)
     recorder = SignatureRecorder(config.probe_steps, config.block_size)
     observer = GenerationObserver(signature=recorder)
     x = noise * float(sigmas[0])
@@ -135,7 +157,7 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     bucket, key = identity or request_identity(runner, noise, sigmas)
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
                        key, time.perf_counter() - started,
-                       bucket_parts(runner.model_fingerprint, noise.shape, sigmas, runner.sampler))
+                       bucket_parts=bucket_parts(runner.model_fingerprint, noise.shape, sigmas, runner.sampler))
 
 
 def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorConfig,
@@ -147,12 +169,18 @@ def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorCo
     request that was itself a hit goes through the probe and the gate again, as any other request.
     """
     started = time.perf_counter()
-    record = store.exact_repeat(*identity)
-    final = _stored_final(store, record.entry_id) if record is not None else None
-    if final is None:
+    repeat = _repeated(store, identity)
+    if repeat is None:
         return None
-    decision = gate_module.exact_repeat(record.entry_id, steps, config.risk)
-    return _replayed(final.to(device), decision, store, {"replay": time.perf_counter() - started})
+    decision = gate_module.exact_repeat(repeat[0], steps, config.risk)
+    return _replayed(repeat[1].to(device), decision, store, {"replay": time.perf_counter() - started})
+
+
+def _repeated(store: CarnatorStore, identity: tuple) -> Optional[tuple]:
+    """(entry id, final latent) of a readable full generation of exactly this request, or None."""
+    record = _degraded(store, "the exact-repeat check", lambda: store.exact_repeat(*identity))
+    final = _stored_final(store, record.entry_id) if record is not None else None
+    return None if final is None else (record.entry_id, final)
 
 
 def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]:
@@ -168,27 +196,46 @@ def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]
 
 def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: CarnatorStore,
               seconds: dict) -> GenerationResult:
-    store.record_hit(decision.entry_id, steps_saved=decision.steps - decision.model_calls)
+    _record_hit(store, decision)
     return GenerationResult(final.to(torch.float32), decision, decision.model_calls, None, seconds,
                             store.drain_problems())
 
 
+def _record_hit(store: CarnatorStore, decision: gate_module.Decision) -> None:
+    """Counts the hit for eviction's benefit; a store that cannot take the count costs the count only."""
+    try:
+        store.record_hit(decision.entry_id, steps_saved=decision.steps - decision.model_calls)
+    except StoreError as error:
+        store.report_problem(f"the hit on entry {decision.entry_id} was not counted ({error})")
+
+
 def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
-    return nearest(store, probed.bucket, probed.signature, config.lookup_limit)
+    """Nearest entries of the probe's bucket; none for an exact repeat found before probing (it needs none), and
+    none (a full generation, with a warning) when the store cannot be read."""
+    if probed.repeat is not None:
+        return []
+    return _degraded(store, "the cache lookup",
+                     lambda: nearest(store, probed.bucket, probed.signature, config.lookup_limit), [])
 
 
 def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
     """For a request whose bucket holds no entry: which part of it (model, shape, steps, ...) differs from the
-    nearest cached generation's. Empty when the bucket has entries (then the gate's reasons say why none fit)."""
-    if store.records(probed.bucket, include_corrupt=True):
-        return []
-    return [bucket_difference(store, probed.bucket_parts)]
+    nearest cached generation's. Empty when the bucket has entries (then the gate's reasons say why none fit), and
+    when the store cannot be read (the lookup has reported that)."""
+    def work():
+        if store.records(probed.bucket, include_corrupt=True):
+            return []
+        return [bucket_difference(store, probed.bucket_parts)]
+    return _degraded(store, "explaining the miss", work, [])
 
 
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
            bucket_reasons: tuple = ()) -> gate_module.Decision:
-    """The gate's decision, unless a candidate is a full generation of exactly this request: then its result.
-    `bucket_reasons` (new_bucket_reasons) explain a miss for want of any candidate."""
+    """The gate's decision, unless the request is a full generation's exact repeat (found before probing, or
+    a candidate): then that generation's result. `bucket_reasons` (new_bucket_reasons) explain a miss for want of
+    any candidate."""
+    if probed.repeat is not None:
+        return gate_module.exact_repeat(probed.repeat[0], probed.steps, config.risk)
     for candidate in candidates:
         if candidate.record.replays(probed.request_key):
             return gate_module.exact_repeat(candidate.record.entry_id, probed.steps, config.risk, probed.probe_steps)
@@ -221,8 +268,14 @@ def follow_entry(runner, probed: ProbeResult, decision: gate_module.Decision, pa
 
 def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
               config: CarnatorConfig):
-    """Runs the rest of the trajectory; returns (latent, observer, connectivity state to store)."""
+    """Runs the rest of the trajectory; returns (decision followed, latent, observer, connectivity state to store):
+    a hit whose entry cannot be read becomes a full generation."""
     steps = probed.steps
+    if decision.reuse:
+        payload = _degraded(store, f"reading entry {decision.entry_id}",
+                            lambda: store.trajectory(store.record(decision.entry_id)))
+        if payload is None:   # corrupt, missing, or deleted/evicted since the gate chose it
+            decision = _full_generation(decision, probed, f"entry {decision.entry_id} could not be read")
     keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
                      if s > decision.resume_step)
     observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
@@ -231,12 +284,16 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
         observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass,
                                                      config.max_density)
         latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, steps, observer)
-        return latent, observer, observer.connectivity.tensors()
+        return decision, latent, observer, observer.connectivity.tensors()
 
-    payload = store.trajectory(store.record(decision.entry_id))
     latent = follow_entry(runner, probed, decision, payload, config, observer)
-    store.record_hit(decision.entry_id, steps_saved=steps - decision.model_calls)
-    return latent, observer, payload.connectivity
+    _record_hit(store, decision)
+    return decision, latent, observer, payload.connectivity
+
+
+def _full_generation(decision: gate_module.Decision, probed: ProbeResult, why: str) -> gate_module.Decision:
+    return dataclasses.replace(decision, reuse=False, exact_repeat=False, entry_id=None, target_cells=None,
+                               refine_step=None, resume_step=probed.probe_steps, reasons=[why])
 
 
 def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
@@ -247,14 +304,15 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
     started = time.perf_counter()
     warnings = []
     if decision.exact_repeat:
-        final = _stored_final(store, decision.entry_id)
+        held = probed.repeat is not None and probed.repeat[0] == decision.entry_id
+        final = probed.repeat[1] if held else _stored_final(store, decision.entry_id)
         if final is not None:
-            return _replayed(final.to(probed.latent.device), decision, store,
+            device = probed.latent.device if probed.latent is not None else final.device
+            return _replayed(final.to(device), decision, store,
                              {"probe": probed.seconds, "replay": time.perf_counter() - started})
         warnings.append(f"entry {decision.entry_id} could not be replayed: this request was generated in full")
-        decision = dataclasses.replace(decision, reuse=False, exact_repeat=False, entry_id=None,
-                                       resume_step=probed.probe_steps, reasons=warnings[-1:])
-    latent, observer, connectivity = _continue(runner, probed, decision, store, config)
+        decision = _full_generation(decision, probed, warnings[-1])
+    decision, latent, observer, connectivity = _continue(runner, probed, decision, store, config)
     seconds = {"probe": probed.seconds, "resume": time.perf_counter() - started}
     entry_id = None
     written = time.perf_counter()
@@ -269,7 +327,7 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
             extra={"decision": decision.summary(), "bucket": probed.bucket_parts,
                    "model": model_name or runner.model_fingerprint[:12]},
             request_key=probed.request_key)
-    except StoreError as error:
+    except (StoreError, OSError) as error:  # the result is returned whatever the store does with it
         warnings.append(f"not stored: {error}")
         log.warning("carnator: %s", warnings[-1])
     seconds["write_back"] = time.perf_counter() - written

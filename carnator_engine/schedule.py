@@ -38,3 +38,35 @@ def jump(x: torch.Tensor, denoised: torch.Tensor, sigma_from: float, sigma_to: f
 def schedule_fingerprint(sigmas: torch.Tensor) -> str:
     """Stable short text for a sigma schedule: entries with another schedule never match."""
     return ",".join(f"{float(s):.5f}" for s in sigmas)
+
+
+class SwitchError(ValueError):
+    """A two-expert switch that does not fall inside the schedule; `input_name` names the bad input."""
+
+    def __init__(self, input_name: str, message: str):
+        super().__init__(message)
+        self.input_name = input_name
+
+
+def expert_switch_step(sigmas: torch.Tensor, switch_step: int = 0, boundary_sigma: float = 0.0) -> int:
+    """The step from which a two-expert model (Wan 2.2 A14B) runs its low-noise expert.
+
+    Either the step itself (ComfyUI's template: the first KSamplerAdvanced ends at it, the second starts there) or,
+    with switch_step 0, Wan 2.2's boundary rule: the high-noise expert runs every step whose sigma is at least
+    `boundary_sigma`. Both experts must run at least one step, else one of them is not part of the generation.
+    """
+    steps = len(sigmas) - 1
+    if int(switch_step) != 0:
+        step = int(switch_step)
+        if not 1 <= step < steps:
+            raise SwitchError("switch_step", f"switch_step={step} is outside the schedule: with {steps} steps the "
+                                             f"low-noise expert must take over at a step between 1 and {steps - 1}")
+        return step
+    boundary = float(boundary_sigma)
+    step = next((i for i in range(steps) if float(sigmas[i]) < boundary), steps)
+    if not 1 <= step < steps:
+        raise SwitchError("boundary_sigma", f"boundary_sigma={boundary:g} is outside the schedule (sigmas "
+                                            f"{float(sigmas[0]):.4f} .. {float(sigmas[-2]):.4f} over {steps} steps): "
+                                            "one expert would run no step; pick a boundary inside that range or "
+                                            "set switch_step")
+    return step

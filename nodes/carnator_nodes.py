@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
+from typing import Optional
 
 import comfy.samplers
 from comfy_api.latest import ComfyExtension, io, ui
@@ -48,8 +49,9 @@ def _probe_input() -> io.Input:
 def _request_inputs(probe_steps_default: int = 3) -> list:
     """model, positive, ..., probe_steps: a request as KSampler takes it, plus the probe's length."""
     return [
-        io.Model.Input("model", tooltip="A Wan 2.1/2.2 or LTX-Video model (LoRAs and patches are part of the "
-                                        "cache key)."),
+        io.Model.Input("model", tooltip="A Wan 2.1/2.2, HunyuanVideo or LTX-Video model (LoRAs and patches are "
+                                        "part of the cache key); with a low_noise_model, Wan 2.2 A14B's high-noise "
+                                        "expert."),
         io.Conditioning.Input("positive", tooltip="What the video should show (the text encoder's output); compared "
                                                   "through the model's early states, never as text."),
         io.Conditioning.Input("negative", tooltip="What the video should avoid, as for KSampler."),
@@ -67,6 +69,21 @@ def _request_inputs(probe_steps_default: int = 3) -> list:
                        tooltip="The sigma schedule, as for KSampler; part of the cache key."),
         io.Int.Input("probe_steps", default=probe_steps_default, min=1, max=1000,
                      tooltip="Steps run before the cache is consulted (the Early Signature)."),
+    ]
+
+
+def _expert_inputs() -> list:
+    """Wan 2.2 A14B: the second expert and where it takes over (ComfyUI's template: 20 steps, switch at step 10)."""
+    return [
+        io.Model.Input("low_noise_model", optional=True, tooltip=(
+            "Wan 2.2 A14B's low-noise expert: runs the steps from the switch on ('model' is then the high-noise "
+            "expert). Leave unconnected for one model.")),
+        io.Int.Input("switch_step", default=0, min=0, max=10000, optional=True, tooltip=(
+            "Step at which the low-noise expert takes over (the first KSamplerAdvanced's end_at_step in ComfyUI's "
+            "template). 0 = from boundary_sigma.")),
+        io.Float.Input("boundary_sigma", default=0.875, min=0.0, max=1.0, step=0.001, optional=True, tooltip=(
+            "With switch_step 0: the high-noise expert runs every step whose sigma is at least this (Wan 2.2 T2V: "
+            "0.875).")),
     ]
 
 
@@ -115,6 +132,7 @@ class ProbeBundle:
     prompt: str
     latent_extra: dict
     model_name: str = ""        # the model's file name, the cache browser's label
+    directory: Optional[str] = None   # the cache the probe checked for an exact repeat (its location)
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -136,7 +154,8 @@ class DecisionBundle:
     config: pipeline.CarnatorConfig
 
 
-def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler):
+def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
+             probe_steps, experts: dict):
     """Checks a request's inputs; returns (runner, noise, prepared latent). Nothing is run or stored yet.
     The runner reports its steps to ComfyUI's progress bar (and latent previews when enabled)."""
     import comfy.sample
@@ -148,10 +167,14 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
         raise fail(node, "cfg", f"cfg={cfg} must be >= 0")
     try:
         runner = ComfyRunner(model, positive, negative, cfg, sampler_name, scheduler=scheduler, steps=int(steps),
-                             seed=int(seed))
+                             seed=int(seed), **experts)
     except ValueError as error:
-        name = "sampler_name" if "sampler_name" in str(error) else "scheduler" if "scheduler" in str(error) else "model"
+        name = getattr(error, "input_name", None) or (
+            "sampler_name" if "sampler_name" in str(error) else "scheduler" if "scheduler" in str(error) else "model")
         raise fail(node, name, str(error)) from None
+    if runner.switch_step is not None and int(probe_steps) > runner.switch_step:
+        raise fail(node, "probe_steps", f"probe_steps={probe_steps} is beyond the switch to the low-noise expert "
+                                        f"(step {runner.switch_step}): the probe runs on the high-noise expert")
     noise = comfy.sample.prepare_noise(latent.samples, int(seed), latent.extra.get("batch_index"))
     runner = runner.with_step_callback(progress_callback(model, int(steps)))
     return runner, noise, latent
@@ -167,11 +190,13 @@ class CarnatorCache(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="CarnatorCache", display_name="Carnator Cache", category=CATEGORY,
-            description="The store of earlier generations (on disk, survives restarts). Leave cache_dir empty for "
-                        "ComfyUI's user directory.",
+            description="The store of earlier generations (survives restarts): a folder, or a redis:// URL for one "
+                        "store shared by many ComfyUI workers. Leave cache_dir empty for ComfyUI's user directory.",
             inputs=[
-                io.String.Input("cache_dir", default="", tooltip="Folder of the cache; empty = <user dir>/"
-                                "carnator_cache; a relative path is taken inside ComfyUI's user directory."),
+                io.String.Input("cache_dir", default="", tooltip=(
+                    "Folder of the cache (empty = <user dir>/carnator_cache; a relative path is taken inside ComfyUI's "
+                    "user directory), or redis://[:password@]host:port/db (rediss:// with TLS; the password may also "
+                    "come from CARNATOR_REDIS_PASSWORD).")),
                 io.Float.Input("size_limit_gb", default=DEFAULT_SIZE_LIMIT_GB, min=0.001, max=100000.0, step=0.5,
                                tooltip="Least useful entries are evicted beyond this size (GiB)."),
             ],
@@ -188,7 +213,7 @@ class CarnatorCache(io.ComfyNode):
             raise fail(node, "size_limit_gb", f"size_limit_gb={size} is below the minimum of "
                                               f"{MIN_SIZE_LIMIT / (1 << 30):.4f} GB (1 MiB): raise it")
         if not isinstance(cache_dir, str):
-            raise fail(node, "cache_dir", "must be a folder path (text)")
+            raise fail(node, "cache_dir", "must be a folder path or a redis:// URL (text)")
         try:
             store = open_store(cache_dir, limit)
         except (StoreError, OSError) as error:
@@ -217,6 +242,9 @@ class CarnatorEarlyProbe(io.ComfyNode):
                 io.Int.Input("block_size", default=0, min=0, max=1024, step=16,
                              tooltip="Tokens per attention block; 0 picks FlexAttention's 128 on GPUs and 64 on "
                                      "the CPU."),
+                CacheType.Input("cache", optional=True, tooltip="Connect the Carnator Cache to answer an exact "
+                                "repeat with its stored result before any probe step runs."),
+                *_expert_inputs(),
             ],
             outputs=[ProbeType.Output("probe", display_name="probe", tooltip="The request after its probe steps, "
                                       "with its Early Signature: connect it to the Lookup, the Gate and the Resume.")],
@@ -225,15 +253,17 @@ class CarnatorEarlyProbe(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-                probe_steps, block_size) -> io.NodeOutput:
+                probe_steps, block_size, cache=None, **experts) -> io.NodeOutput:
         node = "Carnator Early Probe"
+        store = None if cache is None else _check_store(node, cache)
         config = make_config(node, steps, probe_steps, block_size=block_size or _default_block_size(model))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
-                                         sampler_name, scheduler)
-        probed = pipeline.probe(runner, noise, runner.sigmas, config)
+                                         sampler_name, scheduler, probe_steps, experts)
+        probed = pipeline.probe(runner, noise, runner.sigmas, config, store=store)
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         return io.NodeOutput(ProbeBundle(runner, probed, config, int(seed), prompt_text(graph, unique_id),
-                                         latent.extra, model_label(graph, unique_id)))
+                                         latent.extra, model_label(graph, unique_id),
+                                         None if store is None else store.location))
 
 
 def _check_probe(node: str, probe) -> ProbeBundle:
@@ -261,13 +291,18 @@ class CarnatorSignatureCacheLookup(io.ComfyNode):
         bundle = _check_probe(node, probe)
         if int(limit) < 1:
             raise fail(node, "limit", f"limit={limit} must be >= 1")
+        if bundle.directory is not None and bundle.directory != store.location:
+            raise fail(node, "cache", f"is {store.location!r} but the probe checked {bundle.directory!r}: connect "
+                                      "the same Carnator Cache to the Early Probe, Lookup and Resume")
         config = dataclasses.replace(bundle.config, lookup_limit=int(limit))
         candidates = pipeline.lookup(store, bundle.probed, config)
-        lines = [f"{len(candidates)} candidate(s)"] + [
+        repeat = bundle.probed.repeat
+        lines = [f"exact repeat of entry {repeat[0]}: no lookup needed"] if repeat is not None else \
+            [f"{len(candidates)} candidate(s)"] + [
             f"{c.record.entry_id}: denoised {c.distance.denoised:.3f}, hidden {c.distance.hidden:.4f}, "
             f"attention {c.distance.attention:.3f}" for c in candidates]
-        reasons = [] if candidates else pipeline.new_bucket_reasons(store, bundle.probed)
-        return io.NodeOutput(MatchesBundle(bundle.token, store.directory, candidates, reasons),
+        reasons = [] if candidates or repeat is not None else pipeline.new_bucket_reasons(store, bundle.probed)
+        return io.NodeOutput(MatchesBundle(bundle.token, store.location, candidates, reasons),
                              ui=ui.PreviewText("\n".join(lines + reasons)))
 
 
@@ -359,8 +394,8 @@ class CarnatorTrajectoryResume(io.ComfyNode):
         _expect(node, "decision", decision, DecisionBundle, "Carnator Compatibility Gate")
         if decision.probe_token != bundle.token:
             raise fail(node, "decision", "was made for another probe: feed the Gate and this node the same probe")
-        if decision.decision.reuse and decision.directory != store.directory:
-            raise fail(node, "cache", f"is {store.directory!r} but the decision reuses an entry of "
+        if decision.decision.reuse and decision.directory != store.location:
+            raise fail(node, "cache", f"is {store.location!r} but the decision reuses an entry of "
                                       f"{decision.directory!r}: connect the same Carnator Cache to Lookup and Resume")
         config = dataclasses.replace(decision.config, sparse_attention=bool(sparse_attention),
                                      max_density=check_attention_density(node, attention_density))
@@ -382,20 +417,20 @@ class CarnatorSampler(io.ComfyNode):
             description="KSampler with cross-request reuse: probes the request, looks up earlier generations, and "
                         "resumes a compatible one's trajectory (or runs the rest and stores it).",
             inputs=[model, _cache_input(), *request, _risk_input(), _sparse_attention_input(),
-                    _attention_density_input()],
+                    _attention_density_input(), *_expert_inputs()],
             outputs=[_latent_output(), _summary_output()],
             hidden=list(_HIDDEN),
         )
 
     @classmethod
     def execute(cls, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-                probe_steps, risk, sparse_attention, attention_density=1.0) -> io.NodeOutput:
+                probe_steps, risk, sparse_attention, attention_density=1.0, **experts) -> io.NodeOutput:
         node = "Carnator Sampler"
         store = _check_store(node, cache)
         config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention,
                              max_density=check_attention_density(node, attention_density))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
-                                         sampler_name, scheduler)
+                                         sampler_name, scheduler, probe_steps, experts)
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
                                    seed=int(seed), model_name=model_label(graph, unique_id))

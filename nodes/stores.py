@@ -1,13 +1,15 @@
 """Open cache stores of this ComfyUI process, shared by the nodes and the web routes.
 
-One CarnatorStore per directory (diskcache handles are costly to open and must not be duplicated);
-the default directory lives in ComfyUI's user directory so it survives restarts and updates.
+One CarnatorStore per location (a store's handles and in-memory index are costly to build and must not be
+duplicated): a directory, or a redis:// / rediss:// URL for a store shared by many workers. The default
+directory lives in ComfyUI's user directory so it survives restarts and updates.
 """
 from __future__ import annotations
 
 import os
 import threading
 
+from carnator_engine.backends import is_redis_url
 from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore
 
 DEFAULT_SIZE_LIMIT_GB = DEFAULT_SIZE_LIMIT / (1 << 30)   # the Carnator Cache node's default, in GiB
@@ -29,27 +31,32 @@ def default_cache_dir() -> str:
     return os.path.join(user_directory(), "carnator_cache")
 
 
-def cache_directory(directory: str = "") -> str:
-    """The folder a Carnator Cache node's cache_dir names: empty = the default one; a relative path is taken
-    inside the user directory, never the server's working directory (which depends on how ComfyUI was started)."""
-    directory = os.path.expanduser(directory.strip())
+def _key(location: str) -> str:
+    """The registry's key: the URL as given (it may hold a password, so it is never shown), or the directory a
+    Carnator Cache node's cache_dir names: empty = the default one; a relative path is taken inside the user
+    directory, never the server's working directory (which depends on how ComfyUI was started)."""
+    location = location.strip()
+    if is_redis_url(location):
+        return location
+    directory = os.path.expanduser(location)
     if not directory:
         return os.path.abspath(default_cache_dir())
     return os.path.abspath(os.path.join(user_directory(), directory))   # join keeps an absolute path as it is
 
 
-def open_store(directory: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT) -> CarnatorStore:
-    directory = cache_directory(directory)
+def open_store(location: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT) -> CarnatorStore:
+    key = _key(location)
     with _lock:
-        store = _stores.get(directory)
+        store = _stores.get(key)
         if store is None:
-            store = _stores[directory] = CarnatorStore(directory, size_limit_bytes)
+            store = _stores[key] = CarnatorStore(key, size_limit_bytes)
         elif store.size_limit_bytes != size_limit_bytes:
             store.set_size_limit(size_limit_bytes)
         return store
 
 
 def known_stores() -> dict:
-    """directory -> store, the default one included once it has been opened."""
+    """Shown location (a directory, or a URL without its password) -> store, the default one included once it
+    has been opened."""
     with _lock:
-        return dict(_stores)
+        return {store.location: store for store in _stores.values()}

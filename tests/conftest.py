@@ -34,6 +34,16 @@ def store(tmp_path):
     opened.close()
 
 
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server for one test (AOF on, so a restart keeps what was acknowledged)."""
+    from redis_server import RedisServer, require_redis_server
+    require_redis_server()
+    server = RedisServer(str(tmp_path / "redis"), appendonly=True).start()
+    yield server
+    server.stop()
+
+
 REQUIRE_ALL_TESTS = os.environ.get("CARNATOR_REQUIRE_ALL_TESTS", "") == "1"
 GPU_SKIP_REASON = "needs a CUDA GPU (marked gpu: the only tests allowed to skip under CARNATOR_REQUIRE_ALL_TESTS=1)"
 

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..backbones import LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
+from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
 from ..fingerprint import module_fingerprint
 
 log = logging.getLogger("carnator.comfyui")
@@ -45,29 +45,50 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+class ExpertMismatchError(ValueError):
+    """A low-noise expert that cannot continue the high-noise expert's trajectory."""
+    input_name = "low_noise_model"
+
+
 @dataclass(frozen=True)
 class HostBackbone:
     model_class: str      # ComfyUI's model_base class, e.g. "WAN21"
     layout: BackboneLayout
-    blocks: str           # attribute of the diffusion model that holds its transformer blocks
-    num_blocks: int
+    block_keys: tuple     # the patches_replace["dit"] key of each transformer block, in order
+    joint_text: bool      # self-attention runs over the video tokens followed by the text tokens (HunyuanVideo)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_keys)
 
 
-# model_base class -> (diffusion model class, blocks attribute, layout by latent channels). Each of these
-# runs its transformer blocks through patches_replace["dit"][("double_block", i)] and its video
-# self-attention through optimized_attention with q, k, v as [B, L, heads * D], tokens frame-major.
+@dataclass(frozen=True)
+class _Spec:
+    diffusion_class: str
+    blocks: tuple         # (attribute of the diffusion model holding blocks, their patches_replace["dit"] kind)
+    layouts: dict         # latent channels -> layout
+    joint_text: bool = False
+
+
+# model_base class -> how its diffusion model runs. Each runs its transformer blocks through
+# patches_replace["dit"][(kind, i)] and its self-attention through optimized_attention, tokens frame-major;
+# Wan and LTX-Video attend over the video tokens alone, HunyuanVideo over the video tokens then the text tokens
+# (double-stream blocks concatenate the two streams, single-stream blocks carry them concatenated).
 _SUPPORTED = {
-    "WAN21": ("WanModel", "blocks", {16: WAN21}),             # Wan 2.1 T2V/I2V, Wan 2.2 A14B
-    "WAN22": ("WanModel", "blocks", {48: WAN22_5B}),          # Wan 2.2 TI2V 5B
-    "LTXV": ("LTXVModel", "transformer_blocks", {128: LTX_VIDEO}),
+    "WAN21": _Spec("WanModel", (("blocks", "double_block"),), {16: WAN21}),          # Wan 2.1 T2V/I2V, Wan 2.2 A14B
+    "WAN22": _Spec("WanModel", (("blocks", "double_block"),), {48: WAN22_5B}),       # Wan 2.2 TI2V 5B
+    "LTXV": _Spec("LTXVModel", (("transformer_blocks", "double_block"),), {128: LTX_VIDEO}),
+    "HunyuanVideo": _Spec("HunyuanVideo", (("double_blocks", "double_block"), ("single_blocks", "single_block")),
+                          {16: HUNYUAN_VIDEO}, joint_text=True),
 }
-SUPPORTED_TEXT = "Wan 2.1 / Wan 2.2 (ComfyUI classes WAN21, WAN22) and LTX-Video (LTXV)"
+SUPPORTED_TEXT = "Wan 2.1 / Wan 2.2 (ComfyUI classes WAN21, WAN22), LTX-Video (LTXV) and HunyuanVideo T2V (HunyuanVideo)"
 
+_I2V_WHY = ("image-to-video: the input image's latent conditions every step (concatenated channels, a replaced "
+            "first frame) and the signature does not compare images, so a cached trajectory of another image "
+            "could be reused")
 _WHY_NOT = {
-    "HunyuanVideo": "its blocks attend over video and text tokens jointly, so the video self-attention the "
-                    "signature and sparse reuse rely on is not separable",
-    "HunyuanVideoI2V": "its blocks attend over video and text tokens jointly",
-    "HunyuanVideoSkyreelsI2V": "its blocks attend over video and text tokens jointly",
+    "HunyuanVideoI2V": _I2V_WHY,
+    "HunyuanVideoSkyreelsI2V": _I2V_WHY,
     "WAN21_Vace": "VACE adds control blocks whose states are not part of the signature",
     "WAN21_Camera": "camera control changes the trajectory outside the conditioning Carnator compares",
     "WAN21_HuMo": "audio/reference conditioning is not compared by the signature",
@@ -89,13 +110,13 @@ def backbone_for(model) -> HostBackbone:
     name = type(base).__name__
     diffusion = getattr(base, "diffusion_model", None)
     entry = _SUPPORTED.get(name)
-    if entry is None or type(diffusion).__name__ != entry[0]:
+    if entry is None or type(diffusion).__name__ != entry.diffusion_class:
         why = _WHY_NOT.get(name)
         raise UnsupportedModelError(
             f"Carnator: unsupported model {name} (diffusion model {type(diffusion).__name__})"
             + (f": {why}" if why else "") + f". Carnator supports {SUPPORTED_TEXT}; use a regular KSampler "
             "for this model")
-    diffusion_class, blocks, layouts = entry
+    layouts = entry.layouts
     channels = int(base.latent_format.latent_channels)
     layout = layouts.get(channels)
     if layout is None:
@@ -111,7 +132,8 @@ def backbone_for(model) -> HostBackbone:
         raise UnsupportedModelError(
             f"Carnator: model {name} samples with {type(sampling).__name__}, not a flow-matching (CONST) "
             "schedule: Carnator resumes along flow trajectories only")
-    return HostBackbone(name, layout, blocks, len(getattr(diffusion, blocks)))
+    keys = tuple((kind, i) for attribute, kind in entry.blocks for i in range(len(getattr(diffusion, attribute))))
+    return HostBackbone(name, layout, keys, entry.joint_text)
 
 
 # ---- fingerprint ------------------------------------------------------------------------------
@@ -230,6 +252,14 @@ def _guidance_text(model_options: dict) -> str:
     return ";".join(names)
 
 
+def _parameter_shapes(model) -> dict:
+    return {name: tuple(t.shape) for name, t in model.model.diffusion_model.state_dict().items()}
+
+
+def _parameter_count(model) -> int:
+    return sum(t.numel() for t in model.model.diffusion_model.parameters())
+
+
 # ---- one run ----------------------------------------------------------------------------------
 
 class _Run:
@@ -308,13 +338,32 @@ def _block_patch(run: _Run, index: int, inner):
         options = dict(args.get("transformer_options") or {})
         options["block_index"] = index          # on a copy: nothing leaks into other blocks or runs
         args = dict(args, transformer_options=options)
+        img = args["img"]
+        if img.shape[1] < run.tokens or ("txt" in args and img.shape[1] != run.tokens):
+            raise UnsupportedModelError(
+                f"Carnator: block {index} carries {img.shape[1]} image tokens for a latent of {run.tokens}: a "
+                "reference latent or image conditioning adds tokens the signature does not compare; use a "
+                "regular KSampler for it")
         out = inner(args, extra) if inner is not None else extra["original_block"](args)
-        run.observer.block_output(index, out["img"])
+        run.observer.block_output(index, out["img"][:, :run.tokens])   # single-stream blocks carry the text after
         return out
     return patch
 
 
-def _attention_override(run: _Run, previous):
+def _kept_keys(mask: torch.Tensor, length: int, video_tokens: int) -> Optional[torch.Tensor]:
+    """The keys a joint-attention padding mask leaves visible ([length] bool), or None for any other mask. An
+    additive mask of 0 (visible) and a huge negative number (padded text) weighs the padded keys exactly 0, so
+    dropping them gives the same attention; video keys must all be visible."""
+    if mask.numel() != length or mask.dtype == torch.bool:
+        return None
+    flat = mask.reshape(-1)
+    keep = flat == 0
+    if not bool(keep[:video_tokens].all()) or not bool((flat[~keep] < -1e4).all()):
+        return None
+    return keep
+
+
+def _attention_override(run: _Run, previous, joint_text: bool):
     def next_in_chain(func, *args, **kwargs):
         if previous is not None:
             return previous(func, *args, **kwargs)
@@ -325,15 +374,26 @@ def _attention_override(run: _Run, previous):
         block = options.get("block_index")
         heads = args[3] if len(args) > 3 else kwargs.get("heads")
         mask = args[4] if len(args) > 4 else kwargs.get("mask")
-        if block is None or heads is None or mask is not None or len(args) < 3:
+        if block is None or heads is None or len(args) < 3 or (mask is not None and not joint_text):
             return next_in_chain(func, *args, **kwargs)
         q, k, v = args[:3]
         split = bool(kwargs.get("skip_reshape", False))     # q, k, v already [B, heads, L, D]
         merged_out = not kwargs.get("skip_output_reshape", False)
-        length_q = q.shape[2] if split else q.shape[1]
-        length_k = k.shape[2] if split else k.shape[1]
-        if length_q != length_k or length_q != run.tokens or q.dim() != (4 if split else 3):
+        token_dim = 2 if split else 1
+        length_q, length_k = q.shape[token_dim], k.shape[token_dim]
+        video_ok = length_q == run.tokens or (joint_text and length_q > run.tokens)
+        if length_q != length_k or not video_ok or q.dim() != (4 if split else 3):
             return next_in_chain(func, *args, **kwargs)  # cross-attention, or tokens beyond the video grid
+        rest = list(args[3:])
+        if mask is not None:
+            keep = _kept_keys(mask, length_k, run.tokens)
+            if keep is None:
+                return next_in_chain(func, *args, **kwargs)   # not a text padding mask: left to the host
+            keep = keep.to(k.device)
+            k, v = k.index_select(token_dim, keep.nonzero().flatten()), v.index_select(token_dim, keep.nonzero().flatten())
+            if len(rest) > 1:
+                rest[1] = None
+            kwargs = {**kwargs, "mask": None} if "mask" in kwargs else kwargs
         heads = int(heads)
         batch = q.shape[0]
         head_dim = q.shape[-1] if split else q.shape[-1] // heads
@@ -345,12 +405,14 @@ def _attention_override(run: _Run, previous):
             return t if split else t.transpose(1, 2).reshape(batch, t.shape[2], heads * head_dim)
 
         def dense(q4, k4, v4):
-            out = next_in_chain(func, from_heads(q4), from_heads(k4), from_heads(v4), *args[3:], **kwargs)
+            out = next_in_chain(func, from_heads(q4), from_heads(k4), from_heads(v4), *rest, **kwargs)
             if merged_out:
                 return out.reshape(batch, out.shape[1], heads, head_dim).transpose(1, 2)
             return out
 
-        out = run.observer.self_attention(int(block), to_heads(q), to_heads(k), to_heads(v), dense=dense)
+        video = run.tokens if length_q > run.tokens else None
+        out = run.observer.self_attention(int(block), to_heads(q), to_heads(k), to_heads(v), dense=dense,
+                                          video_tokens=video)
         if merged_out:
             return out.transpose(1, 2).reshape(batch, out.shape[2], heads * head_dim)
         return out
@@ -366,7 +428,9 @@ class ComfyRunner:
 
     def __init__(self, model, positive, negative, cfg: float, sampler_name: str, scheduler: Optional[str] = None,
                  sigmas: Optional[torch.Tensor] = None, steps: Optional[int] = None, seed: int = 0,
-                 step_callback: Optional[StepCallback] = None, disable_pbar: bool = True):
+                 step_callback: Optional[StepCallback] = None, disable_pbar: bool = True,
+                 low_noise_model=None, switch_step: int = 0, boundary_sigma: float = 0.0):
+        """`low_noise_model`: Wan 2.2 A14B's second expert, run from the switch on (see expert_switch_step)."""
         import comfy.samplers
         self.backbone = backbone_for(model)
         self.layout = self.backbone.layout
@@ -397,6 +461,45 @@ class ComfyRunner:
         self.sampler = f"{sampler_name}/cfg={cfg:g}" + (f"/{guidance}" if guidance else "")
         self.model_fingerprint = model_fingerprint(model, self.backbone)
         self.request_fingerprint = conditioning_fingerprint(positive, negative, self.seed)
+        self.low_noise_model, self.switch_step = None, None
+        if low_noise_model is not None:
+            self._add_low_noise_expert(low_noise_model, sampler_name, scheduler, steps, switch_step, boundary_sigma)
+
+    def _add_low_noise_expert(self, low, sampler_name, scheduler, steps, switch_step, boundary_sigma) -> None:
+        """Checks that `low` continues this model's trajectories (same architecture and size, same schedule) and
+        resolves the switch; the bucket then holds both experts' fingerprints and the switch step."""
+        try:
+            low_backbone = backbone_for(low)
+        except UnsupportedModelError as error:
+            raise ExpertMismatchError(str(error)) from None
+        if low_backbone != self.backbone or _parameter_shapes(low) != _parameter_shapes(self.model):
+            raise ExpertMismatchError(
+                f"the low-noise expert ({low_backbone.model_class}, {low_backbone.layout.name}, "
+                f"{low_backbone.num_blocks} blocks, {_parameter_count(low) / 1e6:.1f} M parameters) is not the same "
+                f"architecture and size as the high-noise model ({self.backbone.model_class}, "
+                f"{self.backbone.layout.name}, {self.backbone.num_blocks} blocks, "
+                f"{_parameter_count(self.model) / 1e6:.1f} M parameters): connect the other expert of the same pair")
+        if scheduler is not None and steps is not None:
+            low_sigmas = self.schedule(low, sampler_name, scheduler, steps)
+            if not torch.allclose(low_sigmas.float().cpu(), self.sigmas, atol=1e-6):
+                raise ExpertMismatchError(
+                    "the low-noise expert samples another sigma schedule than the high-noise model (a different "
+                    "shift, e.g. ModelSamplingSD3): give both experts the same model sampling")
+        from ..schedule import expert_switch_step
+        self.switch_step = expert_switch_step(self.sigmas, switch_step, boundary_sigma)
+        self.low_noise_model = low
+        low_fingerprint = model_fingerprint(low, low_backbone)
+        self.model_fingerprint = hashlib.sha256(
+            f"{self.model_fingerprint}|low_noise={low_fingerprint}|switch={self.switch_step}".encode()).hexdigest()[:24]
+        low_guidance = _guidance_text(low.model_options)
+        if low_guidance:
+            self.sampler += f"/low_noise:{low_guidance}"
+
+    def expert_for(self, step: int):
+        """The model that runs `step`."""
+        if self.low_noise_model is not None and step >= self.switch_step:
+            return self.low_noise_model
+        return self.model
 
     @staticmethod
     def schedule(model, sampler_name: str, scheduler: str, steps: int) -> torch.Tensor:
@@ -432,33 +535,43 @@ class ComfyRunner:
         clone.step_callback = step_callback
         return clone
 
-    def _patched_clone(self, run: _Run):
+    def _patched_clone(self, source, run: _Run):
         from comfy.patcher_extension import WrappersMP
-        model = self.model.clone()
+        model = source.clone()
         replaced = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-        for index in range(self.backbone.num_blocks):
-            inner = replaced.get(("double_block", index))
-            model.set_model_patch_replace(_block_patch(run, index, inner), "dit", "double_block", index)
+        for index, (kind, number) in enumerate(self.backbone.block_keys):
+            inner = replaced.get((kind, number))
+            model.set_model_patch_replace(_block_patch(run, index, inner), "dit", kind, number)
         options = model.model_options.setdefault("transformer_options", {})
         options["optimized_attention_override"] = _attention_override(
-            run, options.get("optimized_attention_override"))
+            run, options.get("optimized_attention_override"), self.backbone.joint_text)
         model.add_wrapper_with_key(WrappersMP.PREDICT_NOISE, HOOK_KEY, _predict_noise_wrapper(run))
         return model
 
     def run(self, x: torch.Tensor, sigmas: torch.Tensor, start: int, end: int, observer) -> torch.Tensor:
-        """Steps [start, end) from the model-space latent entering `start`; returns the one entering `end`."""
-        import comfy.sample
-        import comfy.samplers
+        """Steps [start, end) from the model-space latent entering `start`; returns the one entering `end`. With two
+        experts the steps split at the switch, as ComfyUI's two KSamplerAdvanced do (the first returns its latent
+        with the leftover noise, the second continues it without adding noise)."""
         steps = len(sigmas) - 1
         if not 0 <= start <= end <= steps:
             raise ValueError(f"steps [{start}, {end}) are outside the schedule's {steps} steps")
         if start == end:
             return x
+        switch = self.switch_step
+        if switch is not None and start < switch < end:
+            x = self._run(self.model, x, sigmas, start, switch, observer)
+            start = switch
+        return self._run(self.expert_for(start), x, sigmas, start, end, observer)
+
+    def _run(self, source, x: torch.Tensor, sigmas: torch.Tensor, start: int, end: int, observer) -> torch.Tensor:
+        import comfy.sample
+        import comfy.samplers
+        steps = len(sigmas) - 1
         schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
         # a copy: some host samplers write into the sigmas they are given (uni_pc sets the last one to 0.001)
         sub = schedule[start:end + 1].clone()
         run = _Run(observer, self.layout, schedule, start, end, steps, self.step_callback)
-        model = self._patched_clone(run)
+        model = self._patched_clone(source, run)
         x = x.detach().to("cpu", torch.float32)
         sigma0 = float(sub[0])
         if sigma0 >= 1.0 or math.isclose(sigma0, 1.0, rel_tol=1e-6):
@@ -493,5 +606,5 @@ class ComfyRunner:
         return (rgb / rgb.abs().amax().clamp_min(1e-6)).clamp(-1, 1)
 
 
-__all__ = ["ComfyRunner", "UnsupportedModelError", "HostBackbone", "backbone_for", "model_fingerprint",
+__all__ = ["ComfyRunner", "UnsupportedModelError", "ExpertMismatchError", "HostBackbone", "backbone_for", "model_fingerprint",
            "conditioning_fingerprint", "host_version", "HOOK_KEY", "SUPPORTED_TEXT"]

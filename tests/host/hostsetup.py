@@ -79,30 +79,32 @@ def import_host(path: str):
     return nodes
 
 
-def build_tiny_wan(directory: str, seed: int = 0) -> str:
-    """A 2-block, dim-256 Wan 2.1 T2V model with random weights, saved where UNETLoader finds it."""
+def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: int = 2) -> str:
+    """A dim-256 Wan 2.1 T2V model (2 blocks unless told) with random weights, saved where UNETLoader finds it
+    (Wan 2.2 A14B's experts are this class too: two of them, other seeds, are a tiny two-expert pair)."""
     import safetensors.torch
     import torch
     import comfy.ops
     import folder_paths
     from comfy.ldm.wan.model import WanModel
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, TINY_WAN)
+    path = os.path.join(directory, name)
     if not os.path.exists(path):
         generator = torch.Generator().manual_seed(seed)
         model = WanModel(model_type="t2v", patch_size=(1, 2, 2), in_dim=16, dim=256, ffn_dim=512, freq_dim=256,
-                         text_dim=4096, out_dim=16, num_heads=2, num_layers=2, operations=comfy.ops.disable_weight_init)
+                         text_dim=4096, out_dim=16, num_heads=2, num_layers=layers,
+                         operations=comfy.ops.disable_weight_init)
         with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
+            for key, parameter in model.named_parameters():
+                if key.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
                     parameter.fill_(1.0)
-                elif name.endswith("norm3.bias"):
+                elif key.endswith("norm3.bias"):
                     parameter.zero_()
                 else:
                     parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
         safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
     folder_paths.add_model_folder_path("diffusion_models", directory)
-    return TINY_WAN
+    return name
 
 
 TINY_LTXV = "carnator_test_tiny_ltxv.safetensors"
@@ -134,6 +136,54 @@ def build_tiny_ltxv(directory: str, seed: int = 0) -> str:
                                     metadata={"config": json.dumps({"transformer": config})})
     folder_paths.add_model_folder_path("diffusion_models", directory)
     return TINY_LTXV
+
+
+TINY_HUNYUAN = "carnator_test_tiny_hunyuan_video.safetensors"
+HUNYUAN_TEXT = (32, 4096)       # tokens, width of the llama text encoder's hidden states (tiny: few tokens)
+
+
+def build_tiny_hunyuan(directory: str, seed: int = 0, in_channels: int = 16, name: str = TINY_HUNYUAN) -> str:
+    """A HunyuanVideo (ComfyUI's own class) with one double-stream and one single-stream block, hidden size 256
+    (2 heads of 128, as detection assumes), CLIP-pooled vector and guidance inputs, random weights. in_channels 33
+    or 32 give the I2V and SkyReels I2V variants."""
+    import safetensors.torch
+    import torch
+    import comfy.ops
+    import folder_paths
+    from comfy.ldm.hunyuan_video.model import HunyuanVideo
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        model = HunyuanVideo(image_model="hunyuan_video", in_channels=in_channels, out_channels=16, vec_in_dim=768,
+                             context_in_dim=HUNYUAN_TEXT[1], hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=1,
+                             depth_single_blocks=1, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2],
+                             qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
+                             operations=comfy.ops.disable_weight_init)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for key, parameter in model.named_parameters():
+                if "norm" in key and key.endswith(("weight", "scale")):
+                    parameter.fill_(1.0)
+                else:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    folder_paths.add_model_folder_path("diffusion_models", directory)
+    return name
+
+
+def hunyuan_conditioning(seed: int, scale: float = 1.0, padded: int = 0):
+    """CONDITIONING as ComfyUI's HunyuanVideo text encoders shape it: llama hidden states [1, tokens, 4096] with
+    the CLIP-L pooled output [1, 768]; `padded` trailing tokens are masked out (attention_mask), as the encoder
+    does when a batch pads a prompt."""
+    import torch
+    generator = torch.Generator().manual_seed(seed)
+    tokens, width = HUNYUAN_TEXT
+    options = {"pooled_output": torch.randn(1, 768, generator=generator)}
+    if padded:
+        mask = torch.ones(1, tokens, dtype=torch.long)
+        mask[:, tokens - padded:] = 0
+        options["attention_mask"] = mask
+    return [[torch.randn(1, tokens, width, generator=generator) * scale, options]]
 
 
 def load_plugin(nodes, custom_nodes_dir: str):

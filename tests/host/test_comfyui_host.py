@@ -28,8 +28,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def node(comfy, name):
-    """Carnator's node `name`, to call with its inputs (as ComfyUI's executor runs it)."""
-    return functools.partial(hostsetup.run_node, comfy.NODE_CLASS_MAPPINGS[name])
+    """The host's node `name`: a V3 node (Carnator's) to call with its inputs, as ComfyUI's executor runs it, or an
+    instance of a V1 core node."""
+    cls = comfy.NODE_CLASS_MAPPINGS[name]
+    return functools.partial(hostsetup.run_node, cls) if hasattr(cls, "define_schema") else cls()
 
 
 def open_cache(comfy, directory, size_gb=1.0):
@@ -38,10 +40,10 @@ def open_cache(comfy, directory, size_gb=1.0):
 
 def sample(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
            risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
-           attention_density=1.0):
-    out = node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg,
-                                                  sampler_name, "simple", probe_steps, risk, sparse_attention,
-                                                  attention_density, unique_id=unique_id, prompt=prompt)
+           attention_density=1.0, **experts):
+    out = node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
+                                         "simple", probe_steps, risk, sparse_attention, attention_density,
+                                         unique_id=unique_id, prompt=prompt, **experts)
     latent_out, summary_json = out.result
     summary = json.loads(summary_json)
     verdict = "REPEAT" if summary["exact_repeat"] else "HIT" if summary["reuse"] else "MISS"
@@ -89,7 +91,8 @@ class RecordingObserver:
     def block_output(self, index, hidden):
         self.blocks.add((self.inner.step, index, tuple(hidden.shape)))
 
-    def self_attention(self, index, q, k, v, dense):
+    def self_attention(self, index, q, k, v, dense, video_tokens=None):
+        assert video_tokens is None                          # Wan attends over the video tokens alone
         self.attention += 1
         assert q.dim() == 4 and q.shape[2] == 320          # [B, heads, L, D], L = 5*8*8 video tokens
         return dense(q, k, v)
@@ -302,17 +305,19 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
         instance=types.SimpleNamespace(send_sync=lambda event, data, sid=None: events.append((event, data))))
     monkeypatch.setitem(sys.modules, "server", fake_server)
 
-    def run_stages(risk="balanced", request_positive=positive, **thresholds):
+    def run_stages(risk="balanced", request_positive=positive, probe_cache=None, **thresholds):
         probe = node(comfy, "CarnatorEarlyProbe")(counted.model, request_positive, negative, latent, SEED, STEPS,
-                                                        CFG, "euler", "simple", PROBE, 64, unique_id="3", prompt=None)[0]
+                                                  CFG, "euler", "simple", PROBE, 64, unique_id="3", prompt=None,
+                                                  cache=probe_cache)[0]
         matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
         gate = node(comfy, "CarnatorCompatibilityGate")(probe, matches, risk, unique_id="4", **thresholds)
         decision, decision_json = gate.result
         resumed = node(comfy, "CarnatorTrajectoryResume")(cache, probe, decision, True, unique_id="5")
         return probe, matches, json.loads(decision_json), resumed.result
 
-    _, _, first_decision, (latent_out, summary_json) = run_stages()
-    assert not first_decision["reuse"] and json.loads(summary_json)["stored_as"]
+    _, _, first_decision, (latent_out, summary_json) = run_stages(probe_cache=cache)   # nothing to repeat yet
+    first_entry = json.loads(summary_json)["stored_as"]
+    assert not first_decision["reuse"] and first_entry
     assert latent_out["samples"].shape == latent["samples"].shape
     counted.take()
     probe, matches, decision, (_, summary_json) = run_stages("balanced", nudged(positive), max_hidden=0.5,
@@ -328,6 +333,16 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
     assert repeat["exact_repeat"] and repeat["entry_id"] == json.loads(summary_json)["entry_id"]
     assert counted.take() == PROBE == json.loads(summary_json)["model_calls"]
     assert torch.equal(repeated["samples"], latent_out["samples"])
+    # with the cache connected to the Early Probe, the repeat is found before any probe step runs
+    _, matches, repeat, (repeated, summary_json) = run_stages(probe_cache=cache)
+    assert repeat["exact_repeat"] and matches.candidates == [] and repeat["entry_id"] == first_entry
+    assert counted.take() == 0 == json.loads(summary_json)["model_calls"]
+    assert torch.equal(repeated["samples"], latent_out["samples"])
+    assert cache.record(first_entry).hits == 3                 # the hit, the repeat after probing, this one
+    with pytest.raises(ValueError, match=r"Signature Cache Lookup: input 'cache': .*connect the same Carnator Cache"):
+        probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED, STEPS, CFG,
+                                                        "euler", "simple", PROBE, 64, cache=cache)[0]
+        node(comfy, "CarnatorSignatureCacheLookup")(open_cache(comfy, tmp_path / "other"), probe, 3)
 
     other_probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED + 1, STEPS,
                                                           CFG, "euler", "simple", PROBE, 64)[0]
@@ -452,8 +467,8 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     bad_sample(r"input 'attention_density': attention_density=nan is not a finite number",
                attention_density=float("nan"))
 
-    hunyuan = types.SimpleNamespace(model=type("HunyuanVideo", (), {"diffusion_model": None})())
-    bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideo .*joint", model=hunyuan)
+    hunyuan = types.SimpleNamespace(model=type("HunyuanVideoI2V", (), {"diffusion_model": None})())
+    bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideoI2V .*image-to-video", model=hunyuan)
 
     probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED, STEPS, CFG,
                                                     "euler", "simple", PROBE, 0)[0]
