@@ -494,9 +494,9 @@ def test_relative_cache_dir_is_inside_the_user_directory(comfy, plugin, tmp_path
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(user))
     (tmp_path / "server_cwd").mkdir()
     monkeypatch.chdir(tmp_path / "server_cwd")               # wherever ComfyUI happened to be started from
-    assert open_cache(comfy, "my_cache").directory == str(user / "my_cache")
-    assert open_cache(comfy, "  ").directory == str(user / "carnator_cache")
-    assert open_cache(comfy, str(tmp_path / "absolute")).directory == str(tmp_path / "absolute")
+    assert open_cache(comfy, "my_cache").location == str(user / "my_cache")
+    assert open_cache(comfy, "  ").location == str(user / "carnator_cache")
+    assert open_cache(comfy, str(tmp_path / "absolute")).location == str(tmp_path / "absolute")
     assert os.listdir(tmp_path / "server_cwd") == []
 
 
@@ -510,18 +510,21 @@ def test_unsupported_model_error_names_the_class():
 
 # ---- the plugin as ComfyUI loads it ------------------------------------------------------------
 
-# Input names in order, as the V1 nodes had them: a saved workflow's widgets_values are positional.
+# Input names in order, as the V1 nodes had them: a saved workflow's widgets_values are positional (inputs added
+# since, the Wan 2.2 experts' and the probe's cache, come last and are optional: older saves leave them at default).
+EXPERTS = ["low_noise_model", "switch_step", "boundary_sigma"]
 NODE_INPUTS = {
     "CarnatorCache": ["cache_dir", "size_limit_gb"],
     "CarnatorEarlyProbe": ["model", "positive", "negative", "latent_image", "seed", "steps", "cfg", "sampler_name",
-                           "scheduler", "probe_steps", "block_size"],
+                           "scheduler", "probe_steps", "block_size", "cache", *EXPERTS],
     "CarnatorSignatureCacheLookup": ["cache", "probe", "limit"],
     "CarnatorCompatibilityGate": ["probe", "matches", "risk", "max_hidden", "max_attention", "max_context",
                                   "cell_threshold", "max_target_fraction", "max_resume_fraction", "min_saved_steps",
                                   "refine_target", "shrink_with_risk"],
     "CarnatorTrajectoryResume": ["cache", "probe", "decision", "sparse_attention", "attention_density"],
     "CarnatorSampler": ["model", "cache", "positive", "negative", "latent_image", "seed", "steps", "cfg",
-                        "sampler_name", "scheduler", "probe_steps", "risk", "sparse_attention", "attention_density"],
+                        "sampler_name", "scheduler", "probe_steps", "risk", "sparse_attention", "attention_density",
+                        *EXPERTS],
 }
 DISPLAY_NAMES = {"CarnatorCache": "Carnator Cache", "CarnatorEarlyProbe": "Carnator Early Probe",
                  "CarnatorSignatureCacheLookup": "Carnator Signature Cache Lookup",
