@@ -37,6 +37,45 @@ def bucket_key(model_fingerprint: str, latent_shape, sigmas, sampler: str) -> st
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+# A bucket's parts, as a newcomer would name them (bucket_difference).
+BUCKET_PARTS = {"model": "model/patches (weights, LoRAs or their strengths)", "shape": "latent shape (size or length)",
+                "steps": "steps", "schedule": "scheduler (sigma schedule)", "sampler": "sampler",
+                "cfg": "cfg/guidance"}
+
+
+def bucket_parts(model_fingerprint: str, latent_shape, sigmas, sampler: str) -> dict:
+    """The inputs of bucket_key, readable. Kept with each entry, so that a request finding no entry of its own bucket
+    can be told which part differs from the nearest entry's. `sampler` is the runner's text "name/cfg=...[/...]"."""
+    name, _, guidance = sampler.partition("/")
+    return {"model": model_fingerprint, "shape": "x".join(str(int(d)) for d in latent_shape),
+            "steps": len(sigmas) - 1, "schedule": schedule_fingerprint(sigmas), "sampler": name, "cfg": guidance}
+
+
+def bucket_difference(store: CarnatorStore, parts: dict) -> str:
+    """Why a request found no entry of its bucket: what the nearest other entry differs in (fewest parts), or that the
+    cache is empty. Entries stored before their parts were kept are left out."""
+    records = store.records()
+    if not records:
+        return "the cache holds no generation yet"
+    best = None
+    for record in records:
+        theirs = record.extra.get("bucket") if isinstance(record.extra, dict) else None
+        if not isinstance(theirs, dict):
+            continue
+        differ = [name for name in BUCKET_PARTS if theirs.get(name) != parts.get(name)]
+        if "steps" in differ and "schedule" in differ:
+            differ.remove("schedule")      # another step count is another schedule: say the cause only
+        if differ and (best is None or len(differ) < len(best[1])):
+            best = (record, differ, theirs)
+    if best is None:
+        return f"none of the cache's {len(records)} entries records its bucket's parts"
+    record, differ, theirs = best
+    shown = [BUCKET_PARTS[name] if name in ("model", "schedule")
+             else f"{BUCKET_PARTS[name]} ({parts.get(name) or 'none'} here, {theirs.get(name) or 'none'} there)"
+             for name in differ]
+    return f"the nearest cached generation, entry {record.entry_id}, differs in {', '.join(shown)}"
+
+
 def _finite(score: float) -> float:
     return score if math.isfinite(score) else math.inf
 

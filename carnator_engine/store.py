@@ -41,6 +41,8 @@ from .vectors import VECTOR_DIM, BucketMatrix, compact_vector
 log = logging.getLogger("carnator.store")
 
 MIN_SIZE_LIMIT = 1 << 20
+# The one default size limit of a cache: the Carnator Cache node, the CLI and the engine use it alike.
+DEFAULT_SIZE_LIMIT = 8 << 30
 SIGNATURE_CACHE = 256   # parsed signatures kept in memory (entries never change their signature)
 
 
@@ -153,7 +155,7 @@ class _Indexed:
 
 
 class CarnatorStore:
-    def __init__(self, location: str, size_limit_bytes: int = 4 << 30):
+    def __init__(self, location: str, size_limit_bytes: int = DEFAULT_SIZE_LIMIT):
         _check_size_limit(size_limit_bytes)
         from .backends import open_backend
         self._backend = open_backend(location)

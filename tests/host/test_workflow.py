@@ -1,5 +1,5 @@
 """The shipped workflow (workflows/carnator_wan21_t2v.json): node types exist, links fit, widget values
-match INPUT_TYPES. Carnator's nodes are checked without the host; core nodes against the real host."""
+match the nodes' inputs (Carnator's V3 nodes and the core ones, as the real host defines them)."""
 from __future__ import annotations
 
 import json
@@ -18,23 +18,19 @@ def workflow():
     return json.loads(WORKFLOW.read_text())
 
 
-def test_workflow_carnator_nodes_match_our_mappings_without_the_host(workflow):
+def test_plugin_package_imports_without_the_host():
+    """The package ComfyUI imports needs no ComfyUI to import (its node module is loaded by comfy_entrypoint)."""
     package = hostsetup.import_plugin_package()
-    ours = package.NODE_CLASS_MAPPINGS
-    used = {n["type"] for n in workflow["nodes"] if n["type"].startswith("Carnator")}
-    assert used == {"CarnatorCache", "CarnatorSampler"}
-    assert used <= set(ours)
-    assert all(name.startswith("Carnator") and package.NODE_DISPLAY_NAME_MAPPINGS[name].startswith("Carnator ")
-               for name in ours)
-    # sampler/scheduler lists come from the host; without it only Carnator's own combos are checked
-    problems = check_workflow(workflow, ours, check_combos=lambda node_type, name: name == "risk")
-    assert problems == []
+    assert callable(package.comfy_entrypoint) and package.WEB_DIRECTORY == "./web"
+    assert not hasattr(package, "NODE_CLASS_MAPPINGS")       # one node API: ComfyUI's versioned one
 
 
 def test_workflow_core_nodes_exist_in_the_host(comfy, plugin, workflow):
     classes = comfy.NODE_CLASS_MAPPINGS
     missing = {n["type"] for n in workflow["nodes"]} - set(classes) - FRONTEND_ONLY
     assert missing == set()
+    used = {n["type"] for n in workflow["nodes"] if n["type"].startswith("Carnator")}
+    assert used == {"CarnatorCache", "CarnatorSampler"}
     expected = ["UNETLoader", "CLIPLoader", "CLIPTextEncode", "EmptyHunyuanLatentVideo", "CarnatorCache",
                 "CarnatorSampler", "VAELoader", "VAEDecode", "SaveAnimatedWEBP"]
     assert set(expected) <= {n["type"] for n in workflow["nodes"]}
