@@ -102,53 +102,46 @@ def _patcher(config_class, unet, device, dtype, seed):
                                             offload_device=mm.unet_offload_device()), params
 
 
-def build_hunyuan(spec, device, dtype, seed):
-    """ComfyUI's HunyuanVideo in model_base.HunyuanVideo; the config copies supported_models.HunyuanVideo's fields
-    (importing that module would import every text encoder)."""
-    import comfy.latent_formats
-    import comfy.model_base
+def _config_class(image_model, shift, latent_format, memory_usage_factor, model_class):
+    """A ComfyUI model config with the fields of its comfy.supported_models class (importing that module would
+    import every text encoder, and with them transformers)."""
     import comfy.supported_models_base
 
-    class HunyuanVideoT2V(comfy.supported_models_base.BASE):
-        unet_config = {"image_model": "hunyuan_video"}
-        sampling_settings = {"shift": 7.0}
+    class Config(comfy.supported_models_base.BASE):
+        unet_config = {"image_model": image_model}
+        sampling_settings = {"shift": shift}
         unet_extra_config = {}
-        latent_format = comfy.latent_formats.HunyuanVideo
-        memory_usage_factor = 1.8
         supported_inference_dtypes = [torch.bfloat16, torch.float32]
 
         def get_model(self, state_dict, prefix="", device=None):
-            return comfy.model_base.HunyuanVideo(self, device=device)
+            return model_class(self, device=device)
 
+    Config.latent_format, Config.memory_usage_factor = latent_format, memory_usage_factor
+    return Config
+
+
+def build_hunyuan(spec, device, dtype, seed):
+    """ComfyUI's HunyuanVideo in model_base.HunyuanVideo (config as supported_models.HunyuanVideo)."""
+    import comfy.latent_formats
+    import comfy.model_base
+    config = _config_class("hunyuan_video", 7.0, comfy.latent_formats.HunyuanVideo, 1.8, comfy.model_base.HunyuanVideo)
     hidden = spec["hidden"]
     unet = dict(image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=TEXT_DIM,
                 hidden_size=hidden, mlp_ratio=4.0, num_heads=hidden // 128, depth=spec["depth"],
                 depth_single_blocks=spec["single"], axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2],
                 qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False)
-    return _patcher(HunyuanVideoT2V, unet, device, dtype, seed)
+    return _patcher(config, unet, device, dtype, seed)
 
 
 def build_ltxv(spec, device, dtype, seed):
     """ComfyUI's LTXVModel in model_base.LTXV (config as supported_models.LTXV)."""
     import comfy.latent_formats
     import comfy.model_base
-    import comfy.supported_models_base
-
-    class LTXVideo(comfy.supported_models_base.BASE):
-        unet_config = {"image_model": "ltxv"}
-        sampling_settings = {"shift": 2.37}
-        unet_extra_config = {}
-        latent_format = comfy.latent_formats.LTXV
-        memory_usage_factor = 5.5
-        supported_inference_dtypes = [torch.bfloat16, torch.float32]
-
-        def get_model(self, state_dict, prefix="", device=None):
-            return comfy.model_base.LTXV(self, device=device)
-
+    config = _config_class("ltxv", 2.37, comfy.latent_formats.LTXV, 5.5, comfy.model_base.LTXV)
     heads = spec["heads"]
     unet = dict(image_model="ltxv", in_channels=128, cross_attention_dim=heads * 64, attention_head_dim=64,
                 num_attention_heads=heads, caption_channels=TEXT_DIM, num_layers=spec["layers"])
-    return _patcher(LTXVideo, unet, device, dtype, seed)
+    return _patcher(config, unet, device, dtype, seed)
 
 
 def build(spec, device, dtype, seed):

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from test_gpu_speed_smoke import ROOT, _comfyui, _skip_reason
+from test_gpu_speed_smoke import ROOT, _skip_reason, run_smoke
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_backbones.py")
 BUDGET_S = 300
@@ -21,13 +19,8 @@ def test_gpu_backbones_smoke(tmp_path):
     if reason:
         pytest.skip(reason)
     out = tmp_path / "backbones.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", COMFYUI_PATH=_comfyui())
-    try:
-        proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--steps", "10", "--probe", "2", "--resume", "5",
-                               "--out", str(out)], capture_output=True, text=True, timeout=BUDGET_S, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"smoke run took over {BUDGET_S} s on this CPU")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_smoke([SCRIPT, "--smoke", "--steps", "10", "--probe", "2", "--resume", "5", "--out", str(out)],
+                     BUDGET_S)
     data = json.loads(out.read_text())
     assert data["gate_overrides"] == {} and set(data["results"]) == {"wan2.2-a14b", "hunyuan-13b", "ltxv-2b"}
     for name, res in data["results"].items():

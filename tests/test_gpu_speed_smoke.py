@@ -39,19 +39,26 @@ def _skip_reason():
     return None
 
 
+def run_smoke(command: list, budget_s: int):
+    """Runs a benchmark script on the CPU with the ComfyUI it would find; skips when the CPU makes it slower than
+    the budget. Returns the finished process (exit status 0 checked)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", COMFYUI_PATH=_comfyui())
+    try:
+        proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=budget_s, env=env,
+                              cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"smoke run took over {budget_s} s on this CPU")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def test_gpu_speed_smoke(tmp_path):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
     out = tmp_path / "smoke.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", COMFYUI_PATH=_comfyui())
-    try:
-        proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--device", "cpu", "--repeats", "1",
-                               "--out", str(out), "--store-dir", str(tmp_path)],
-                              capture_output=True, text=True, timeout=BUDGET_S, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"smoke run took over {BUDGET_S} s on this CPU")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_smoke([SCRIPT, "--smoke", "--device", "cpu", "--repeats", "1", "--out", str(out),
+                      "--store-dir", str(tmp_path)], BUDGET_S)
     data = json.loads(out.read_text())
     res = data["results"]
     assert data["path"].startswith("ComfyRunner")
