@@ -103,7 +103,7 @@ def run_stats(args) -> int:
 
 def run_clear(args) -> int:
     store = _open_store(args.cache, args.size_limit_mb)
-    print(f"removed {store.clear()} entries from {store.directory}")
+    print(f"removed {store.clear()} entries from {store.location}")
     return 0
 
 
@@ -111,7 +111,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m carnator_engine", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="replay a short iteration session on the embedded demo model")
-    demo.add_argument("--cache", default="", help="cache directory (default: a fresh temporary one)")
+    demo.add_argument("--cache", default="", help="cache directory or redis:// URL (default: a fresh temporary "
+                                                  "directory)")
     demo.add_argument("--weights", default="", help="tiny DiT checkpoint (default: the embedded demo model)")
     demo.add_argument("--steps", type=_positive_int, default=DEMO_STEPS)
     demo.add_argument("--probe-steps", type=_positive_int, default=3)
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
     for sub in (demo, commands.add_parser("stats", help="print a cache's statistics"),
                 commands.add_parser("clear", help="delete every entry of a cache")):
         if sub is not demo:
-            sub.add_argument("--cache", required=True, help="cache directory")
+            sub.add_argument("--cache", required=True, help="cache directory, or redis://[:password@]host:port/db "
+                                                            "(the password may come from CARNATOR_REDIS_PASSWORD)")
         sub.add_argument("--size-limit-mb", type=_positive_int, default=4096)
     args = parser.parse_args(argv)
     try:

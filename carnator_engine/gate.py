@@ -150,10 +150,11 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
               ("target region share", numbers["target_fraction"], policy.max_target_fraction)]
     numbers.update(context=round(numbers["context"], 5), target_fraction=round(numbers["target_fraction"], 4))
     reasons = []
+    # `not value <= limit`: a NaN distance (a broken signature) is over every limit, never a hit.
     for label, value, limit in limits:
-        verdict = "over" if value > limit else "within"
+        verdict = "over" if not value <= limit else "within"
         reasons.append(f"{label}: {value:.4f} {verdict} limit {limit:.4f}")
-    if any(value > limit for _, value, limit in limits):
+    if any(not value <= limit for _, value, limit in limits):
         return None, None, cells, numbers, reasons
     risk = max(value / limit for _, value, limit in limits[:3])
     furthest = int(policy.max_resume_fraction * steps)

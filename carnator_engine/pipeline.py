@@ -110,6 +110,20 @@ def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list
 def _validate_request(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> None:
     config.validate(len(sigmas) - 1)
     runner.layout.token_grid(noise.shape)  # raises a clear error for a latent of the wrong shape
+    for name, tensor in (("sigmas", sigmas), ("noise", noise)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"the {name} hold non-finite values (NaN or inf): check the scheduler and the latent "
+                             "input; nothing was run or stored")
+
+
+def _degraded(store: CarnatorStore, what: str, work, default=None):
+    """work(), or `default` when the store fails it: a store fault costs the request its reuse, never its result.
+    The warning reaches the request's result (store.drain_problems) and the log."""
+    try:
+        return work()
+    except StoreError as error:
+        store.report_problem(f"{what} failed ({error}): this request is generated in full")
+        return default
 
 
 def request_identity(runner, noise: torch.Tensor, sigmas: torch.Tensor) -> tuple:
@@ -162,7 +176,7 @@ def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorCo
 
 def _repeated(store: CarnatorStore, identity: tuple) -> Optional[tuple]:
     """(entry id, final latent) of a readable full generation of exactly this request, or None."""
-    record = store.exact_repeat(*identity)
+    record = _degraded(store, "the exact-repeat check", lambda: store.exact_repeat(*identity))
     final = _stored_final(store, record.entry_id) if record is not None else None
     return None if final is None else (record.entry_id, final)
 
@@ -180,16 +194,26 @@ def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]
 
 def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: CarnatorStore,
               seconds: dict) -> GenerationResult:
-    store.record_hit(decision.entry_id, steps_saved=decision.steps - decision.model_calls)
+    _record_hit(store, decision)
     return GenerationResult(final.to(torch.float32), decision, decision.model_calls, None, seconds,
                             store.drain_problems())
 
 
+def _record_hit(store: CarnatorStore, decision: gate_module.Decision) -> None:
+    """Counts the hit for eviction's benefit; a store that cannot take the count costs the count only."""
+    try:
+        store.record_hit(decision.entry_id, steps_saved=decision.steps - decision.model_calls)
+    except StoreError as error:
+        store.report_problem(f"the hit on entry {decision.entry_id} was not counted ({error})")
+
+
 def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
-    """Nearest entries of the probe's bucket; none for an exact repeat found before probing (it needs none)."""
+    """Nearest entries of the probe's bucket; none for an exact repeat found before probing (it needs none), and
+    none (a full generation, with a warning) when the store cannot be read."""
     if probed.repeat is not None:
         return []
-    return nearest(store, probed.bucket, probed.signature, config.lookup_limit)
+    return _degraded(store, "the cache lookup",
+                     lambda: nearest(store, probed.bucket, probed.signature, config.lookup_limit), [])
 
 
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gate_module.Decision:
@@ -226,8 +250,14 @@ def follow_entry(runner, probed: ProbeResult, decision: gate_module.Decision, pa
 
 def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
               config: CarnatorConfig):
-    """Runs the rest of the trajectory; returns (latent, observer, connectivity state to store)."""
+    """Runs the rest of the trajectory; returns (decision followed, latent, observer, connectivity state to store):
+    a hit whose entry cannot be read becomes a full generation."""
     steps = probed.steps
+    if decision.reuse:
+        payload = _degraded(store, f"reading entry {decision.entry_id}",
+                            lambda: store.trajectory(store.record(decision.entry_id)))
+        if payload is None:   # corrupt, missing, or deleted/evicted since the gate chose it
+            decision = _full_generation(decision, probed, f"entry {decision.entry_id} could not be read")
     keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
                      if s > decision.resume_step)
     observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
@@ -236,12 +266,16 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
         observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass,
                                                      config.max_density)
         latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, steps, observer)
-        return latent, observer, observer.connectivity.tensors()
+        return decision, latent, observer, observer.connectivity.tensors()
 
-    payload = store.trajectory(store.record(decision.entry_id))
     latent = follow_entry(runner, probed, decision, payload, config, observer)
-    store.record_hit(decision.entry_id, steps_saved=steps - decision.model_calls)
-    return latent, observer, payload.connectivity
+    _record_hit(store, decision)
+    return decision, latent, observer, payload.connectivity
+
+
+def _full_generation(decision: gate_module.Decision, probed: ProbeResult, why: str) -> gate_module.Decision:
+    return dataclasses.replace(decision, reuse=False, exact_repeat=False, entry_id=None, target_cells=None,
+                               refine_step=None, resume_step=probed.probe_steps, reasons=[why])
 
 
 def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
@@ -258,9 +292,8 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
             return _replayed(final.to(device), decision, store,
                              {"probe": probed.seconds, "replay": time.perf_counter() - started})
         warnings.append(f"entry {decision.entry_id} could not be replayed: this request was generated in full")
-        decision = dataclasses.replace(decision, reuse=False, exact_repeat=False, entry_id=None,
-                                       resume_step=probed.probe_steps, reasons=warnings[-1:])
-    latent, observer, connectivity = _continue(runner, probed, decision, store, config)
+        decision = _full_generation(decision, probed, warnings[-1])
+    decision, latent, observer, connectivity = _continue(runner, probed, decision, store, config)
     seconds = {"probe": probed.seconds, "resume": time.perf_counter() - started}
     entry_id = None
     written = time.perf_counter()
@@ -273,7 +306,7 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
             latent_shape=probed.latent.shape, thumbnail=thumbnail_png(runner.preview(latent)),
             reused_from=decision.entry_id if decision.reuse else None,
             extra={"decision": decision.summary()}, request_key=probed.request_key)
-    except StoreError as error:
+    except (StoreError, OSError) as error:  # the result is returned whatever the store does with it
         warnings.append(f"not stored: {error}")
         log.warning("carnator: %s", warnings[-1])
     seconds["write_back"] = time.perf_counter() - written

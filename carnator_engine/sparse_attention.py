@@ -52,7 +52,11 @@ Backends of :func:`block_sparse_attention`
   SDPA with a warning instead.  :class:`BlockSparseAttention` also keeps each
   block's BlockMask, since its table is fixed across steps (building one costs
   ~2 ms of host time on an H200 for a 256x256 table, comparable to the kernel).
-* ``"auto"`` (default): flex on CUDA when it is importable and compiles, else sdpa
+* ``"fa4"`` (CUDA, Hopper or newer, optional ``flash-attn-4`` package): FlashAttention-4's block-sparse
+  kernel (:mod:`carnator_engine.fa4_attention`), every allowed block a full block; ``block_size`` a
+  multiple of 128, bf16/fp16, head size <= 128.  On an H200 it runs a 0.3-density table in 0.27 of dense
+  cuDNN's time where flex needs 0.40.
+* ``"auto"`` (default): fa4 where it runs, else flex on CUDA when it is importable and compiles, else sdpa
   (a warning is issued once per shape if flex failed).
 """
 
@@ -66,6 +70,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from . import fa4_attention
 
 try:  # flex_attention exists from torch 2.5; keep the module importable without it
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -433,6 +439,14 @@ def _sdpa_block_sparse(q, k, v, connectivity, block_size, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+BACKENDS = ("auto", "fa4", "flex", "sdpa")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
+
+
 def flex_available() -> bool:
     """True when flex_attention can be used (importable and a CUDA device present)."""
     return _HAS_FLEX and torch.cuda.is_available()
@@ -660,18 +674,24 @@ def block_sparse_attention(
 ) -> torch.Tensor:
     """Exact attention restricted to the allowed block pairs -> ``[B, heads, Lq, Dv]``.
 
-    ``backend``: ``"auto"`` (flex on CUDA, else masked SDPA), ``"flex"`` (CUDA only,
-    raises if unavailable), ``"sdpa"`` (masked SDPA everywhere).  ``scale`` defaults to
+    ``backend``: ``"auto"`` (fa4 where it runs, else flex on CUDA, else masked SDPA), ``"fa4"`` and
+    ``"flex"`` (raise where unavailable), ``"sdpa"`` (masked SDPA everywhere).  ``scale`` defaults to
     ``1/sqrt(D)``.  ``validate=False`` skips the table checks (they synchronise a
     CUDA device); use it only for a table that was validated before.
     ``kernel_options`` go to flex_attention (see :func:`prepare_flex`).
     """
     block_size = _check_block_size(block_size)
     _check_qkv(q, k, v)
-    if backend not in ("auto", "flex", "sdpa"):
-        raise ValueError(f"backend must be 'auto', 'flex' or 'sdpa', got {backend!r}")
+    _check_backend(backend)
     if validate:
         _check_connectivity(connectivity, q.shape[2], k.shape[2], block_size)
+    if backend == "fa4" and not fa4_attention.supports(q, block_size):
+        raise ValueError(
+            "backend='fa4' needs the flash-attn-4 package, a Hopper-or-newer GPU, bf16/fp16 tensors, a head "
+            "size <= 128 and a block size that is a multiple of 128; use backend='auto' to fall back"
+        )
+    if backend in ("auto", "fa4") and fa4_attention.supports(q, block_size):
+        return fa4_attention.prepare(connectivity.to(q.device), block_size, scale)(q, k, v)
     if backend == "flex" and not (flex_available() and q.is_cuda):
         raise ValueError(
             "backend='flex' needs torch.nn.attention.flex_attention and CUDA tensors; "
@@ -719,8 +739,7 @@ class BlockSparseAttention:
         kernel_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.block_size = _check_block_size(block_size)
-        if backend not in ("auto", "flex", "sdpa"):
-            raise ValueError(f"backend must be 'auto', 'flex' or 'sdpa', got {backend!r}")
+        _check_backend(backend)
         self.backend = backend
         self.kernel_options = None if kernel_options is None else dict(kernel_options)
         self.dense_query_blocks = dense_query_blocks
@@ -780,9 +799,18 @@ class BlockSparseAttention:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
         _check_qkv(q, k, v)
         table = self._prepared_table(block_index, q, k, video_tokens)
+        # the table is fixed for this block and these shapes, so the kernel's index tensors are built once
+        rkey = (int(block_index), str(q.device), tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype, scale,
+                video_tokens)
+        if self.backend in ("auto", "fa4") and fa4_attention.supports(q, self.block_size):
+            run = self._runners.get(rkey + ("fa4",))
+            if run is None:
+                run = self._runners[rkey + ("fa4",)] = fa4_attention.prepare(table, self.block_size, scale)
+            return run(q, k, v)
+        if self.backend == "fa4":
+            return block_sparse_attention(q, k, v, table, self.block_size, scale=scale, backend="fa4",
+                                          validate=False)  # raises, naming what fa4 needs
         if self.backend != "sdpa" and _HAS_FLEX and q.is_cuda:
-            # the table is fixed for this block, so its BlockMask is built once
-            rkey = (int(block_index), str(q.device), tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype, scale)
             run = self._runners.get(rkey)
             if run is None:
                 try:

@@ -1,39 +1,47 @@
-"""The persistent store of earlier generations (diskcache on disk, survives restarts).
+"""The persistent store of earlier generations, on one of two backends (carnator_engine/backends): a directory
+(diskcache + blob files, the default) or a Redis server shared by many workers (`redis://` / `rediss://` URL).
 
-Each entry is four diskcache keys written in one transaction, metadata last:
-  ("sig", id)   safetensors bytes of the Early Signature (read by every lookup, small)
-  ("blob", id)  safetensors bytes of trajectory checkpoints + attention connectivity + the final latent
-                (read on a hit)
-  ("thumb", id) PNG thumbnail for the cache browser
-  ("meta", id)  a small dict: bucket, request key, prompt, seed, steps, hits, sizes and the SHA-256 of sig
-                and blob
-An entry whose metadata is missing is invisible; one whose bytes do not match their checksum,
-or do not parse, is reported and marked corrupt, and never reaches a generation.
+An entry is its metadata (JSON: bucket, request key, prompt, seed, steps, hits, lineage, sizes, the SHA-256 of its
+parts and its compact signature vector) and three parts: the Early Signature (safetensors, read when the entry is
+on a lookup's shortlist), the trajectory blob (checkpoints, attention connectivity, final latent; read on a hit)
+and a PNG thumbnail. A part whose bytes do not match their checksum, or do not parse, makes the entry corrupt: it
+is reported, marked, evicted first and never reaches a generation; unreadable metadata is reported and removed.
 
-The size limit is ours, not diskcache's: after each write we evict the entries with the least
-computational benefit (steps saved by their past hits, as in NIRVANA's LCBFU; never-hit entries
-first, oldest use first) until the store fits.
+Lookups never scan: each bucket's compact vectors are a matrix in memory (carnator_engine/vectors.py), rebuilt at
+open and kept current from the backend's change log, which also carries other processes' writes. The size limit
+is ours: after each write the entries with the least computational benefit (steps their hits saved, as in
+NIRVANA's LCBFU; never-hit entries first, oldest use first) leave, in the order of a heap (eviction.py), until
+the entries and the backend's own files (SQLite's) fit.
 """
 from __future__ import annotations
 
+import base64
+import dataclasses
 import hashlib
+import json
 import logging
-import os
+import math
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-import diskcache
+import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from .eviction import EvictionQueue, priority
+from .plain import json_safe
 from .signature import EarlySignature
+from .vectors import VECTOR_DIM, BucketMatrix, compact_vector
 
 log = logging.getLogger("carnator.store")
 
 MIN_SIZE_LIMIT = 1 << 20
+SIGNATURE_CACHE = 256   # parsed signatures kept in memory (entries never change their signature)
 
 
 class StoreError(RuntimeError):
@@ -44,7 +52,10 @@ class CorruptEntryError(StoreError):
     pass
 
 
-def _check_size_limit(size_limit_bytes: int) -> None:
+def _check_size_limit(size_limit_bytes) -> None:
+    if not isinstance(size_limit_bytes, (int, float)) or not math.isfinite(size_limit_bytes):
+        raise ValueError(f"cache size limit {size_limit_bytes!r} is not a finite number of bytes: give a size "
+                         "such as 8 GiB")
     if size_limit_bytes < MIN_SIZE_LIMIT:
         raise ValueError(f"cache size limit {size_limit_bytes} bytes is below the minimum of "
                          f"{MIN_SIZE_LIMIT} bytes (1 MiB): raise the size limit")
@@ -75,6 +86,7 @@ class EntryRecord:
     corrupt: Optional[str] = None
     extra: dict = field(default_factory=dict)
     request_key: str = ""  # every input of the request (pipeline.request_identity); "" in entries older than it
+    lineage: str = ""      # the full generation this entry descends from through hits (itself for a full one)
 
     def replays(self, request_key: str) -> bool:
         """Whether this entry's stored result is exactly that request's own: a full generation (no hit) of it."""
@@ -83,6 +95,13 @@ class EntryRecord:
     @property
     def benefit(self) -> float:
         return float(self.steps_saved)
+
+    @property
+    def root(self) -> str:
+        return self.lineage or self.entry_id
+
+
+RECORD_FIELDS = {f.name for f in dataclasses.fields(EntryRecord)}
 
 
 @dataclass
@@ -95,23 +114,58 @@ class TrajectoryPayload:
     final: Optional[torch.Tensor] = None
 
 
+def _encode(record: EntryRecord, vector: np.ndarray) -> bytes:
+    value = asdict(record)
+    value["vector"] = base64.b64encode(vector.astype(np.float16).tobytes()).decode()
+    return json.dumps(value, allow_nan=False).encode()
+
+
+def _decode(data) -> tuple:
+    """(record, vector) from stored metadata; ValueError for anything that is not a whole, valid record."""
+    try:
+        value = json.loads(bytes(data))
+        vector = np.frombuffer(base64.b64decode(value.pop("vector")), dtype=np.float16).astype(np.float32)
+        record = EntryRecord(**{k: v for k, v in value.items() if k in RECORD_FIELDS})
+    except Exception as error:  # noqa: BLE001 - whatever the damage, the entry is unreadable
+        raise ValueError(f"metadata does not parse ({type(error).__name__})") from None
+    if vector.shape != (VECTOR_DIM,) or not np.isfinite(vector).all():
+        raise ValueError("metadata holds no valid signature vector")
+    return record, vector
+
+
+def _finite(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise StoreError(f"{name} holds non-finite values (NaN or inf): a broken generation is never stored")
+
+
+@dataclass
+class _Indexed:
+    """What the in-memory index keeps per entry (a few fields, not the record)."""
+    bucket: str
+    size: int
+    hits: int
+    steps_saved: int
+    corrupt: bool
+    repeat_key: Optional[str]   # request key of a full generation (exact repeats), else None
+    created: float
+
+
 class CarnatorStore:
-    def __init__(self, directory: str, size_limit_bytes: int = 4 << 30):
+    def __init__(self, location: str, size_limit_bytes: int = 4 << 30):
         _check_size_limit(size_limit_bytes)
-        directory = os.path.abspath(os.path.expanduser(directory))
-        try:
-            os.makedirs(directory, exist_ok=True)
-            probe = os.path.join(directory, f".write-test-{uuid.uuid4().hex}")
-            with open(probe, "wb") as handle:
-                handle.write(b"ok")
-            os.remove(probe)
-            self._cache = diskcache.Cache(directory, size_limit=1 << 62, eviction_policy="none")
-        except OSError as error:
-            raise StoreError(f"Carnator cache directory {directory!r} is not writable ({error.strerror or error}): "
-                             "choose another cache path") from error
-        self.directory = directory
+        from .backends import open_backend
+        self._backend = open_backend(location)
+        self.location = self._backend.location
         self.size_limit_bytes = int(size_limit_bytes)
         self.problems: list = []
+        self._lock = threading.RLock()
+        self._signatures: OrderedDict = OrderedDict()
+        self.orphans_reclaimed, self.orphan_bytes_reclaimed = self._backend.reclaim_orphans()
+        if self.orphans_reclaimed:
+            log.info("carnator: reclaimed %d orphan blob files (%d bytes) in %s", self.orphans_reclaimed,
+                     self.orphan_bytes_reclaimed, self.location)
+        self._rebuild()
+        self.enforce_size_limit()
 
     def set_size_limit(self, size_limit_bytes: int) -> list:
         """Applies a new limit at once; returns the ids it evicted."""
@@ -120,13 +174,104 @@ class CarnatorStore:
         return self.enforce_size_limit()
 
     def close(self) -> None:
-        self._cache.close()
+        self._backend.close()
 
-    # ---- writing -------------------------------------------------------------------------------
+    # ---- the in-memory index ---------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        with self._lock:
+            self._cursor = self._backend.cursor()  # before reading: changes made meanwhile are replayed later
+            self._entries: dict = {}
+            self._buckets: dict = {}
+            self._repeats: dict = {}
+            self._queue = EvictionQueue()
+            self._bytes = 0
+            for entry_id, data in self._backend.metas():
+                self._apply(entry_id, data)
+
+    def _apply(self, entry_id: str, data) -> Optional[EntryRecord]:
+        """Indexes one entry's stored metadata (None: it is gone); unreadable metadata is reported and removed."""
+        if data is None:
+            self._forget(entry_id)
+            return None
+        try:
+            record, vector = _decode(data)
+        except ValueError as why:
+            self._forget(entry_id)
+            self._report(entry_id, str(why), "it was removed")
+            try:
+                self._backend.remove(entry_id)
+            except StoreError as error:
+                log.warning("carnator: %s", error)
+            return None
+        self._forget(entry_id)
+        repeat = record.request_key if record.reused_from is None and record.request_key else None
+        self._entries[entry_id] = _Indexed(record.bucket, record.size_bytes, record.hits, record.steps_saved,
+                                           record.corrupt is not None, repeat, record.created)
+        self._bytes += record.size_bytes
+        if record.corrupt is None:
+            self._buckets.setdefault(record.bucket, BucketMatrix()).add(entry_id, vector)
+            if repeat:
+                self._repeats.setdefault((record.bucket, repeat), set()).add(entry_id)
+        self._queue.set(entry_id, priority(record.corrupt is not None, record.benefit, record.last_used))
+        return record
+
+    def _forget(self, entry_id: str) -> None:
+        indexed = self._entries.pop(entry_id, None)
+        self._signatures.pop(entry_id, None)
+        self._queue.discard(entry_id)
+        if indexed is None:
+            return
+        self._bytes -= indexed.size
+        matrix = self._buckets.get(indexed.bucket)
+        if matrix is not None:
+            matrix.remove(entry_id)
+            if not len(matrix):
+                del self._buckets[indexed.bucket]
+        same = self._repeats.get((indexed.bucket, indexed.repeat_key))
+        if same is not None:
+            same.discard(entry_id)
+            if not same:
+                del self._repeats[(indexed.bucket, indexed.repeat_key)]
+
+    def _sync(self) -> None:
+        """Takes in every change made since the last call, by this process or another one."""
+        with self._lock:
+            cursor, changes = self._backend.changes(self._cursor)
+            if changes is None:
+                self._rebuild()
+                return
+            self._cursor = cursor
+            for op, entry_id in changes:
+                if op == "clear":
+                    self._rebuild()
+                    return
+                self._apply(entry_id, self._backend.meta(entry_id) if op != "del" else None)
+
+    def shortlist(self, bucket: str, signature: EarlySignature, count: int) -> list:
+        """Ids of the `count` entries of `bucket` whose compact vectors are nearest the signature's."""
+        vector = compact_vector(signature)
+        with self._lock:
+            self._sync()
+            matrix = self._buckets.get(bucket)
+            return matrix.nearest(vector, count) if matrix is not None else []
+
+    def index_bytes(self) -> int:
+        return sum(matrix.nbytes() for matrix in self._buckets.values())
+
+    # ---- writing ---------------------------------------------------------------------------------
 
     def put(self, *, bucket: str, prompt: str, seed: int, steps: int, probe_steps: int,
             signature: EarlySignature, payload: TrajectoryPayload, latent_shape, thumbnail: bytes = b"",
             reused_from: Optional[str] = None, extra: Optional[dict] = None, request_key: str = "") -> str:
+        try:
+            vector = compact_vector(signature)
+        except ValueError as error:
+            raise StoreError(str(error)) from None
+        for step, latent in payload.checkpoints.items():
+            _finite(f"checkpoint {step}", latent)
+        if payload.final is not None:
+            _finite("the final latent", payload.final)
         tensors = {f"checkpoint.{step}": latent.contiguous() for step, latent in payload.checkpoints.items()}
         tensors.update({f"connectivity.{name}": value.contiguous() for name, value in payload.connectivity.items()})
         if payload.final is not None:
@@ -138,75 +283,92 @@ class CarnatorStore:
             raise StoreError(f"this generation needs {size / 2**20:.1f} MiB but the cache size limit is "
                              f"{self.size_limit_bytes / 2**20:.1f} MiB: raise the size limit to keep it")
         now = time.time()
-        record = EntryRecord(
-            entry_id=uuid.uuid4().hex[:16], bucket=bucket, prompt=prompt, seed=int(seed), steps=int(steps),
-            probe_steps=int(probe_steps), checkpoint_steps=sorted(int(s) for s in payload.checkpoints),
-            latent_shape=[int(d) for d in latent_shape], created=now, last_used=now,
-            sig_sha256=_sha256(sig), blob_sha256=_sha256(blob), size_bytes=size,
-            reused_from=reused_from, extra=dict(extra or {}), request_key=request_key)
-        entry = record.entry_id
-        with self._cache.transact():
-            self._cache.set(("sig", entry), sig)
-            self._cache.set(("blob", entry), blob)
-            self._cache.set(("thumb", entry), thumbnail)
-            self._cache.set(("meta", entry), asdict(record))
-        self.enforce_size_limit(keep=entry)
+        entry = uuid.uuid4().hex[:16]
+        with self._lock:
+            source = self._lineage_of(reused_from) if reused_from else entry
+            record = EntryRecord(
+                entry_id=entry, bucket=bucket, prompt=prompt, seed=int(seed), steps=int(steps),
+                probe_steps=int(probe_steps), checkpoint_steps=sorted(int(s) for s in payload.checkpoints),
+                latent_shape=[int(d) for d in latent_shape], created=now, last_used=now,
+                sig_sha256=_sha256(sig), blob_sha256=_sha256(blob), size_bytes=size,
+                reused_from=reused_from, extra=json_safe(dict(extra or {})), request_key=request_key, lineage=source)
+            meta = _encode(record, vector)
+            self._backend.commit(entry, meta, {"sig": sig, "blob": blob, "thumb": thumbnail})
+            self._apply(entry, meta)
+            self.enforce_size_limit(keep=entry)
         return entry
 
+    def _lineage_of(self, entry_id: str) -> str:
+        try:
+            return self.record(entry_id).root
+        except StoreError:
+            return entry_id  # the source is gone: its id still names the lineage
+
+    def _update(self, entry_id: str, change) -> None:
+        def rewrite(data):
+            try:
+                record, vector = _decode(data)
+            except ValueError:
+                return data  # left as it is: _apply reports and removes it
+            change(record)
+            return _encode(record, vector)
+        with self._lock:
+            if self._backend.update(entry_id, rewrite):
+                self._apply(entry_id, self._backend.meta(entry_id))
+
     def record_hit(self, entry_id: str, steps_saved: int) -> None:
-        with self._cache.transact():
-            meta = self._cache.get(("meta", entry_id))
-            if meta is None:
-                return
-            meta["hits"] += 1
-            meta["steps_saved"] += int(steps_saved)
-            meta["last_used"] = time.time()
-            self._cache.set(("meta", entry_id), meta)
+        def hit(record):
+            record.hits += 1
+            record.steps_saved += int(steps_saved)
+            record.last_used = time.time()
+        self._update(entry_id, hit)
 
     def delete(self, entry_id: str) -> bool:
-        with self._cache.transact():
-            existed = self._cache.delete(("meta", entry_id))
-            for kind in ("sig", "blob", "thumb"):
-                self._cache.delete((kind, entry_id))
-        return bool(existed)
+        with self._lock:
+            existed = self._backend.remove(entry_id)
+            self._forget(entry_id)
+            return existed
 
     def clear(self) -> int:
-        count = len(self.records(include_corrupt=True))
-        self._cache.clear()
-        return count
+        with self._lock:
+            self._sync()
+            count = len(self._entries)
+            self._backend.clear()
+            self._rebuild()
+            return count
+
+    def _footprint(self) -> int:
+        return self._bytes + self._backend.overhead_bytes()
 
     def enforce_size_limit(self, keep: Optional[str] = None) -> list:
-        """Evict least-benefit entries until the entries fit the limit; returns evicted ids."""
-        records = self.records(include_corrupt=True)
-        total = sum(r.size_bytes for r in records)
+        """Evict least-benefit entries until the entries and the backend's own files fit the limit; returns the
+        evicted ids."""
         evicted = []
-        # Corrupt entries go first, then the least benefit, then the least recently used.
-        order = sorted((r for r in records if r.entry_id != keep),
-                       key=lambda r: (r.corrupt is None, r.benefit, r.last_used))
-        for record in order:
-            if total <= self.size_limit_bytes:
-                break
-            self.delete(record.entry_id)
-            total -= record.size_bytes
-            evicted.append(record.entry_id)
+        with self._lock:
+            self._sync()
+            if self._footprint() > self.size_limit_bytes:
+                self._backend.compact()
+            while self._footprint() > self.size_limit_bytes:
+                victim = self._queue.first(skip=keep)
+                if victim is None:
+                    break
+                self.delete(victim)
+                evicted.append(victim)
         if evicted:
             log.info("carnator: evicted %d entries to stay under %d bytes", len(evicted), self.size_limit_bytes)
         return evicted
 
-    # ---- reading -------------------------------------------------------------------------------
+    # ---- reading ---------------------------------------------------------------------------------
 
     def records(self, bucket: Optional[str] = None, include_corrupt: bool = False) -> list:
+        """Every entry's record, oldest first: the cache browser's listing (lookups use the index instead)."""
         found = []
-        for key in list(self._cache.iterkeys()):
-            if not (isinstance(key, tuple) and key[0] == "meta"):
-                continue
-            meta = self._cache.get(key)
-            if meta is None:
-                continue
+        for entry_id, data in self._backend.metas():
             try:
-                record = EntryRecord(**meta)
-            except TypeError:
-                self._report(key[1], "metadata does not parse")
+                record, _ = _decode(data)
+            except ValueError:
+                with self._lock:
+                    self._apply(entry_id, data)  # reports and removes it
                 continue
             if (bucket is None or record.bucket == bucket) and (include_corrupt or record.corrupt is None):
                 found.append(record)
@@ -214,21 +376,47 @@ class CarnatorStore:
 
     def exact_repeat(self, bucket: str, request_key: str) -> Optional[EntryRecord]:
         """The newest full generation (no hit) of exactly this request, same bucket and request key, else None."""
-        same = [r for r in self.records(bucket) if r.replays(request_key)]
-        return same[-1] if same else None
+        with self._lock:
+            self._sync()
+            same = self._repeats.get((bucket, request_key), ())
+            newest = max(same, key=lambda e: self._entries[e].created, default=None)
+        if newest is None:
+            return None
+        try:
+            return self.record(newest)
+        except StoreError:
+            return None
 
     def record(self, entry_id: str) -> EntryRecord:
-        meta = self._cache.get(("meta", entry_id))
-        if meta is None:
+        data = self._backend.meta(entry_id)
+        if data is None:
+            with self._lock:
+                self._forget(entry_id)
             raise StoreError(f"no cache entry {entry_id!r} (deleted or evicted?): run the probe and lookup again")
-        return EntryRecord(**meta)
+        try:
+            return _decode(data)[0]
+        except ValueError:
+            with self._lock:
+                self._apply(entry_id, data)
+            raise CorruptEntryError(f"cache entry {entry_id} is corrupt: its metadata does not parse; it was "
+                                    "removed") from None
 
     def signature(self, record: EntryRecord) -> EarlySignature:
+        with self._lock:
+            cached = self._signatures.get(record.entry_id)
+            if cached is not None and not record.corrupt:
+                self._signatures.move_to_end(record.entry_id)
+                return cached
         data = self._checked_bytes(record, "sig", record.sig_sha256)
         try:
-            return EarlySignature.from_tensors(load_safetensors(data))
+            signature = EarlySignature.from_tensors(load_safetensors(data))
         except Exception as error:  # any parse failure of stored bytes means corruption
             raise self._mark_corrupt(record.entry_id, f"signature does not parse ({error})")
+        with self._lock:
+            self._signatures[record.entry_id] = signature
+            while len(self._signatures) > SIGNATURE_CACHE:
+                self._signatures.popitem(last=False)
+        return signature
 
     def trajectory(self, record: EntryRecord) -> TrajectoryPayload:
         data = self._checked_bytes(record, "blob", record.blob_sha256)
@@ -247,21 +435,28 @@ class CarnatorStore:
             if tuple(latent.shape) != expected:
                 raise self._mark_corrupt(record.entry_id, f"{name} has shape {tuple(latent.shape)}, "
                                                           f"expected {expected}")
+        if sorted(checkpoints) != sorted(record.checkpoint_steps):
+            raise self._mark_corrupt(record.entry_id, "its checkpoints are not the ones its metadata lists")
         return TrajectoryPayload(checkpoints=checkpoints, connectivity=connectivity, final=final)
 
     def thumbnail(self, entry_id: str) -> bytes:
-        return self._cache.get(("thumb", entry_id)) or b""
+        return self._backend.part(entry_id, "thumb") or b""
 
     def stats(self) -> dict:
-        records = self.records(include_corrupt=True)
-        return {"entries": len(records), "corrupt": sum(r.corrupt is not None for r in records),
-                "bytes": sum(r.size_bytes for r in records), "size_limit_bytes": self.size_limit_bytes,
-                "hits": sum(r.hits for r in records), "steps_saved": sum(r.steps_saved for r in records),
-                "directory": self.directory}
+        with self._lock:
+            self._sync()
+            entries = self._entries.values()
+            overhead = self._backend.overhead_bytes()
+            return {"entries": len(self._entries), "corrupt": sum(e.corrupt for e in entries),
+                    "bytes": self._bytes + overhead, "entry_bytes": self._bytes, "overhead_bytes": overhead,
+                    "size_limit_bytes": self.size_limit_bytes, "hits": sum(e.hits for e in entries),
+                    "steps_saved": sum(e.steps_saved for e in entries), "directory": self.location,
+                    "orphans_reclaimed": self.orphans_reclaimed, "index_bytes": self.index_bytes()}
 
     def drain_problems(self) -> list:
-        """Corruption reports since the last call, for the node's output and the run's summary."""
-        problems, self.problems = self.problems, []
+        """Problem reports (corrupt entries, unusable signatures) since the last call, for the node's output and the run's summary."""
+        with self._lock:
+            problems, self.problems = self.problems, []
         return problems
 
     # ---- corruption ----------------------------------------------------------------------------
@@ -269,23 +464,33 @@ class CarnatorStore:
     def _checked_bytes(self, record: EntryRecord, kind: str, sha: str) -> bytes:
         if record.corrupt:
             raise CorruptEntryError(f"cache entry {record.entry_id} is corrupt ({record.corrupt}); it was skipped")
-        data = self._cache.get((kind, record.entry_id))
+        data = self._backend.part(record.entry_id, kind)
         if data is None:
-            raise self._mark_corrupt(record.entry_id, f"its {kind} data is missing (torn write?)")
+            if self._backend.meta(record.entry_id) is None:  # deleted or evicted while it was being read
+                with self._lock:
+                    self._forget(record.entry_id)
+                raise StoreError(f"cache entry {record.entry_id} was deleted or evicted meanwhile")
+            raise self._mark_corrupt(record.entry_id, f"its {kind} data is missing")
         if _sha256(data) != sha:
             raise self._mark_corrupt(record.entry_id, f"its {kind} data does not match its checksum")
         return data
 
     def _mark_corrupt(self, entry_id: str, why: str) -> CorruptEntryError:
-        with self._cache.transact():
-            meta = self._cache.get(("meta", entry_id))
-            if meta is not None:
-                meta["corrupt"] = why
-                self._cache.set(("meta", entry_id), meta)
+        def mark(record):
+            record.corrupt = why
+        try:
+            self._update(entry_id, mark)
+        except StoreError as error:
+            log.warning("carnator: could not mark entry %s corrupt: %s", entry_id, error)
         return self._report(entry_id, why)
 
-    def _report(self, entry_id: str, why: str) -> CorruptEntryError:
-        message = f"cache entry {entry_id} is corrupt: {why}; it was skipped (delete it or clear the cache)"
-        self.problems.append(message)
+    def _report(self, entry_id: str, why: str,
+                done: str = "it was skipped (delete it or clear the cache)") -> CorruptEntryError:
+        return CorruptEntryError(self.report_problem(f"cache entry {entry_id} is corrupt: {why}; {done}"))
+
+    def report_problem(self, message: str) -> str:
+        """A problem the current request should show as a warning (drain_problems) and the log should keep."""
+        with self._lock:
+            self.problems.append(message)
         log.warning("carnator: %s", message)
-        return CorruptEntryError(message)
+        return message

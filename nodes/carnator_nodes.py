@@ -139,13 +139,13 @@ def _default_block_size(model) -> int:
 
 
 class CarnatorCache:
-    DESCRIPTION = ("The store of earlier generations (on disk, survives restarts). Leave cache_dir empty for "
-                   "ComfyUI's user directory.")
+    DESCRIPTION = ("The store of earlier generations (survives restarts): a folder, or a redis:// URL for one store "
+                   "shared by many ComfyUI workers. Leave cache_dir empty for ComfyUI's user directory.")
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "cache_dir": ("STRING", {"default": "", "tooltip": "Folder of the cache; empty = <user dir>/carnator_cache."}),
+            "cache_dir": ("STRING", {"default": "", "tooltip": "Folder of the cache (empty = <user dir>/carnator_cache), or redis://[:password@]host:port/db (rediss:// with TLS; the password may also come from CARNATOR_REDIS_PASSWORD)."}),
             "size_limit_gb": ("FLOAT", {"default": 8.0, "min": 0.001, "max": 100000.0, "step": 0.5,
                                         "tooltip": "Least useful entries are evicted beyond this size."}),
         }}
@@ -163,7 +163,7 @@ class CarnatorCache:
             raise fail(node, "size_limit_gb", f"size_limit_gb={size} is below the minimum of "
                                               f"{MIN_SIZE_LIMIT / (1 << 30):.4f} GB (1 MiB): raise it")
         if not isinstance(cache_dir, str):
-            raise fail(node, "cache_dir", "must be a folder path (text)")
+            raise fail(node, "cache_dir", "must be a folder path or a redis:// URL (text)")
         try:
             store = open_store(cache_dir, limit)
         except (StoreError, OSError) as error:
@@ -247,7 +247,7 @@ class CarnatorSignatureCacheLookup:
             f"{c.record.entry_id}: denoised {c.distance.denoised:.3f}, hidden {c.distance.hidden:.4f}, "
             f"attention {c.distance.attention:.3f}" for c in candidates]
         return {"ui": {"text": ["\n".join(lines)]},
-                "result": (MatchesBundle(bundle.token, store.directory, candidates),)}
+                "result": (MatchesBundle(bundle.token, store.location, candidates),)}
 
 
 _OVERRIDES = ("max_hidden", "max_attention", "max_context", "cell_threshold", "max_target_fraction",
@@ -335,8 +335,8 @@ class CarnatorTrajectoryResume:
         _expect(node, "decision", decision, DecisionBundle, "Carnator Compatibility Gate")
         if decision.probe_token != bundle.token:
             raise fail(node, "decision", "was made for another probe: feed the Gate and this node the same probe")
-        if decision.decision.reuse and decision.directory != store.directory:
-            raise fail(node, "cache", f"is {store.directory!r} but the decision reuses an entry of "
+        if decision.decision.reuse and decision.directory != store.location:
+            raise fail(node, "cache", f"is {store.location!r} but the decision reuses an entry of "
                                       f"{decision.directory!r}: connect the same Carnator Cache to Lookup and Resume")
         config = dataclasses.replace(decision.config, sparse_attention=bool(sparse_attention),
                                      max_density=check_attention_density(node, attention_density))

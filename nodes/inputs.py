@@ -148,6 +148,12 @@ def to_json(summary: dict) -> str:
 
 
 def summary_text(summary: dict) -> str:
+    """The node's one-line verdict, then any warning (a store fault that made the request a full generation)."""
+    warnings = "".join(f"\nwarning: {w}" for w in summary.get("warnings") or [])
+    return _verdict(summary) + warnings
+
+
+def _verdict(summary: dict) -> str:
     steps, k = summary.get("steps"), summary.get("resume_step")
     calls = summary.get("model_calls")
     risk = summary.get("risk")

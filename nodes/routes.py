@@ -16,13 +16,15 @@ the handlers only translate between HTTP and those functions, and run store work
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import math
 import os
 import re
 import sys
 from typing import Optional
 
+from carnator_engine.backends import is_redis_url
+from carnator_engine.plain import json_safe
 from carnator_engine.store import CarnatorStore, StoreError
 
 from .stores import default_cache_dir, known_stores, open_store
@@ -33,6 +35,7 @@ PREFIX = "/carnator"
 ENTRY_ID = re.compile(r"[0-9a-f]{16}")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PATH_LENGTH = 4096
+MAX_BODY_BYTES = 1 << 20   # aiohttp's own default limit, answered as 413 instead of a 500
 
 
 class RequestError(Exception):
@@ -53,8 +56,9 @@ def check_entry_id(entry_id: str) -> str:
     return entry_id
 
 
-def _normalise(directory: str) -> str:
-    return os.path.normpath(os.path.abspath(directory))
+def _normalise(location: str) -> str:
+    """A directory spelled one way; a Redis store's shown URL (never holding a password) as it is."""
+    return location if is_redis_url(location) else os.path.normpath(os.path.abspath(location))
 
 
 def store_directories() -> list:
@@ -76,9 +80,9 @@ def resolve_store(cache: Optional[str]) -> Optional[CarnatorStore]:
     if cache is None or cache.strip() == "":
         directory = default
     else:
-        if len(cache) > MAX_PATH_LENGTH or "\x00" in cache or not os.path.isabs(cache):
-            raise RequestError(400, "the cache parameter must be the absolute directory of a known Carnator "
-                                    "store (GET /carnator/stats lists them)")
+        if len(cache) > MAX_PATH_LENGTH or "\x00" in cache or not (os.path.isabs(cache) or is_redis_url(cache)):
+            raise RequestError(400, "the cache parameter must be the absolute directory or the Redis URL of a "
+                                    "known Carnator store (GET /carnator/stats lists them)")
         directory = _normalise(cache)
     opened = {_normalise(d): store for d, store in known_stores().items()}
     if directory in opened:
@@ -99,26 +103,6 @@ def clear_confirmed(body) -> bool:
 
 
 # ---- serialisation ------------------------------------------------------------------------------
-
-def json_safe(value, depth: int = 0):
-    """Plain JSON for the browser: non-finite floats become null, unknown objects their text."""
-    if depth > 8:
-        return None
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): json_safe(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v, depth + 1) for v in value]
-    if hasattr(value, "tolist"):  # tensors, numpy scalars
-        try:
-            return json_safe(value.tolist(), depth + 1)
-        except Exception:  # a tensor that cannot leave its device is not worth failing a listing for
-            return None
-    return str(value)
-
 
 def record_json(record) -> dict:
     """One EntryRecord as the cache browser shows it."""
@@ -154,7 +138,7 @@ def empty_stats(directory: str, size_limit_bytes: int = 0) -> dict:
 def list_entries(store: Optional[CarnatorStore]) -> dict:
     records = store.records(include_corrupt=True) if store is not None else []
     entries = [record_json(r) for r in sorted(records, key=lambda r: r.created, reverse=True)]
-    directory = store.directory if store is not None else _normalise(default_cache_dir())
+    directory = store.location if store is not None else _normalise(default_cache_dir())
     return {"directory": directory, "entries": entries}
 
 
@@ -190,7 +174,7 @@ def clear_store(store: Optional[CarnatorStore], body) -> dict:
         raise RequestError(400, 'clearing the cache deletes every entry: send the JSON body {"confirm": true}')
     count = store.clear() if store is not None else 0
     log.info("carnator: cache %s cleared from the web UI (%d entries)",
-             store.directory if store is not None else "(default, empty)", count)
+             store.location if store is not None else "(default, empty)", count)
     return {"deleted": count}
 
 
@@ -240,11 +224,26 @@ async def _delete(request):
     return _web().json_response(await _call(request, delete_entry, request.match_info["entry_id"]))
 
 
-async def _clear(request):
+def parse_body(data: bytes):
+    """The JSON of a request body; RequestError(400) for anything else, deep nesting included."""
     try:
-        body = await request.json() if request.can_read_body else None
-    except ValueError:
-        return _error(400, "the request body is not JSON: send {\"confirm\": true}")
+        return json.loads(data) if data else None
+    except (ValueError, RecursionError):
+        raise RequestError(400, 'the request body is not (plain) JSON: send {"confirm": true}') from None
+
+
+async def _read_body(request) -> bytes:
+    if (request.content_length or 0) > MAX_BODY_BYTES:
+        raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes: send {{\"confirm\": true}}")
+    try:
+        return await request.read() if request.can_read_body else b""
+    except _web().HTTPRequestEntityTooLarge:  # a chunked body without a length, caught by aiohttp's own limit
+        raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes: send {{\"confirm\": true}}") \
+            from None
+
+
+async def _clear(request):
+    body = parse_body(await _read_body(request))
     return _web().json_response(await _call(request, clear_store, body))
 
 

@@ -144,3 +144,10 @@ def test_absurd_thresholds_are_refused(override):
 def test_unknown_risk_level():
     with pytest.raises(ValueError, match="choose one of safe, balanced, aggressive"):
         policy_for("yolo")
+
+
+def test_a_nan_distance_is_incompatible_not_a_crash():
+    broken = BASE.clone()
+    broken[0, 0, 0, 0] = float("nan")
+    decision = decide([_candidate(_sig(broken), _sig(BASE))], 20, 3, policy_for("balanced"), "balanced")
+    assert not decision.reuse and any("nan over limit" in r for r in decision.reasons)

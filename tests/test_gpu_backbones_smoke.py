@@ -1,6 +1,6 @@
 """CPU smoke run of benchmarks/gpu_backbones.py at tiny size: Wan 2.2 A14B's two experts, HunyuanVideo and
 LTX-Video through the ComfyUI adapter with the default gate (plumbing, JSON and table; not speed). Skipped like
-the gpu_speed smoke test, and when the shared CPU makes it slower than the budget."""
+the gpu_speed smoke test; the time limit only stops a hung run."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 from test_gpu_speed_smoke import ROOT, _skip_reason, run_smoke
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_backbones.py")
-BUDGET_S = 300
+TIME_LIMIT_S = 600
 
 
 def test_gpu_backbones_smoke(tmp_path):
@@ -20,7 +20,7 @@ def test_gpu_backbones_smoke(tmp_path):
         pytest.skip(reason)
     out = tmp_path / "backbones.json"
     proc = run_smoke([SCRIPT, "--smoke", "--steps", "10", "--probe", "2", "--resume", "5", "--out", str(out)],
-                     BUDGET_S)
+                     TIME_LIMIT_S)
     data = json.loads(out.read_text())
     assert data["gate_overrides"] == {} and set(data["results"]) == {"wan2.2-a14b", "hunyuan-13b", "ltxv-2b"}
     for name, res in data["results"].items():

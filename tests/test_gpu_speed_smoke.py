@@ -2,8 +2,8 @@
 with the default gate (no overrides).
 
 Skipped when no ComfyUI checkout is found (COMFYUI_PATH, .host/ComfyUI, /opt/ComfyUI) or its
-dependencies are missing, and when the run takes longer than the budget below (slow or shared CPU):
-the test guards the script's plumbing (ComfyRunner + pipeline miss, hits, overhead, JSON), not speed.
+dependencies are missing. The test guards the script's plumbing (ComfyRunner + pipeline miss, hits, overhead,
+JSON), not speed: its time limit only stops a hung run (the run takes 30-80 s on a shared 2-core CPU).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_speed.py")
-BUDGET_S = 180
+TIME_LIMIT_S = 300
 
 
 def _comfyui():
@@ -39,15 +39,12 @@ def _skip_reason():
     return None
 
 
-def run_smoke(command: list, budget_s: int):
-    """Runs a benchmark script on the CPU with the ComfyUI it would find; skips when the CPU makes it slower than
-    the budget. Returns the finished process (exit status 0 checked)."""
+def run_smoke(command: list, time_limit_s: int):
+    """Runs a benchmark script on the CPU with the ComfyUI it would find; the limit only stops a hung run.
+    Returns the finished process (exit status 0 checked)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", COMFYUI_PATH=_comfyui())
-    try:
-        proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=budget_s, env=env,
-                              cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"smoke run took over {budget_s} s on this CPU")
+    proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=time_limit_s, env=env,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -58,7 +55,7 @@ def test_gpu_speed_smoke(tmp_path):
         pytest.skip(reason)
     out = tmp_path / "smoke.json"
     proc = run_smoke([SCRIPT, "--smoke", "--device", "cpu", "--repeats", "1", "--out", str(out),
-                      "--store-dir", str(tmp_path)], BUDGET_S)
+                      "--store-dir", str(tmp_path)], TIME_LIMIT_S)
     data = json.loads(out.read_text())
     res = data["results"]
     assert data["path"].startswith("ComfyRunner")

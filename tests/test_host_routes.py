@@ -53,7 +53,7 @@ def test_listing_stats_and_thumbnail(host, prefix):
     server, store, ids = host
     status, listing = server.json("GET", f"{prefix}/carnator/entries")
     assert status == 200, listing
-    assert listing["directory"] == store.directory
+    assert listing["directory"] == store.location
     by_id = {entry["id"]: entry for entry in listing["entries"]}
     assert set(ids) <= set(by_id)
     assert by_id[ids[0]]["prompt"] == PROMPTS[0] and by_id[ids[0]]["steps"] == 6
@@ -63,8 +63,8 @@ def test_listing_stats_and_thumbnail(host, prefix):
     assert png == store.thumbnail(ids[0]) and png.startswith(b"\x89PNG\r\n\x1a\n")
 
     status, stats = server.json("GET", f"{prefix}/carnator/stats")
-    assert status == 200 and stats["entries"] >= 2 and stats["directory"] == store.directory
-    assert stats["stores"][0] == {"directory": store.directory, "default": True}
+    assert status == 200 and stats["entries"] >= 2 and stats["directory"] == store.location
+    assert stats["stores"][0] == {"directory": store.location, "default": True}
 
 
 @pytest.mark.parametrize("method, path, status", [
@@ -85,8 +85,8 @@ def test_bad_and_unknown_ids(host, method, path, status):
 def test_cache_parameter_cannot_open_other_paths(host, tmp_path):
     server, store, _ = host
     target = tmp_path / "must_not_be_created"
-    attempts = ["/etc", "../../..", store.directory + "/..", os.path.dirname(store.directory), str(target),
-                "relative/dir", store.directory + "/../../user/carnator_cache/../.."]
+    attempts = ["/etc", "../../..", store.location + "/..", os.path.dirname(store.location), str(target),
+                "relative/dir", store.location + "/../../user/carnator_cache/../.."]
     for attempt in attempts:
         query = urllib.parse.urlencode({"cache": attempt})
         for method, path in [("GET", "/carnator/entries"), ("GET", "/carnator/stats"),
@@ -95,7 +95,7 @@ def test_cache_parameter_cannot_open_other_paths(host, tmp_path):
             assert status == 400, (attempt, path, body)
             assert "store" in body["error"]
     assert not target.exists()
-    status, listing = server.json("GET", "/carnator/entries?" + urllib.parse.urlencode({"cache": store.directory}))
+    status, listing = server.json("GET", "/carnator/entries?" + urllib.parse.urlencode({"cache": store.location}))
     assert status == 200 and listing["entries"]
 
 

@@ -20,3 +20,10 @@ def test_pyproject_for_the_comfy_registry():
     assert comfy == {"PublisherId": "carnator", "DisplayName": "Carnator", "Icon": ""}
     if "readme" in project:
         assert (ROOT / project["readme"]).is_file()
+
+
+def test_the_redis_extra_matches_requirements_redis():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    lines = [line.split("#")[0].strip() for line in (ROOT / "requirements-redis.txt").read_text().splitlines()]
+    assert config["project"]["optional-dependencies"]["redis"] == [line for line in lines if line]
+    assert "-r requirements-redis.txt" in (ROOT / "requirements-dev.txt").read_text().splitlines()

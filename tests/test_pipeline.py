@@ -7,6 +7,7 @@ from carnator_engine.euler import TinyDiTRunner
 from carnator_engine.pipeline import CarnatorConfig, checkpoint_steps, decide, generate, lookup, probe, resume
 from carnator_engine.schedule import flow_sigmas
 from carnator_engine.store import CarnatorStore
+from store_damage import edit_meta, get_raw, set_raw
 
 SIGMAS = flow_sigmas(12)
 
@@ -76,7 +77,7 @@ def test_a_staged_exact_repeat_whose_entry_is_gone_is_generated_in_full(tiny_mod
     probed = probe(runner, _noise(1), SIGMAS, config)
     decision = decide(probed, lookup(store, probed, config), config)
     assert decision.exact_repeat
-    store._cache.set(("blob", first.entry_id), b"torn")  # between the gate and the resume
+    set_raw(store, first.entry_id, "blob", b"torn")  # between the gate and the resume
     result = resume(runner, probed, decision, store, config)
     assert not result.decision.reuse and result.model_calls == 12 and result.entry_id
     assert any("could not be replayed" in w for w in result.warnings)
@@ -95,13 +96,11 @@ def test_a_corrupt_final_latent_is_reported_and_the_request_generated(tiny_model
     from safetensors.torch import load, save
     first = _run(tiny_model, store, "a red circle moving left", 1)
     record = store.record(first.entry_id)
-    tensors = load(store._cache.get(("blob", first.entry_id)))
+    tensors = load(get_raw(store, first.entry_id, "blob"))
     tensors["final"] = tensors["final"][..., :-1].contiguous()  # a wrong shape under a valid checksum
     blob = save(tensors)
-    meta = store._cache.get(("meta", first.entry_id))
-    meta["blob_sha256"] = hashlib.sha256(blob).hexdigest()
-    store._cache.set(("blob", first.entry_id), blob)
-    store._cache.set(("meta", first.entry_id), meta)
+    set_raw(store, first.entry_id, "blob", blob)
+    edit_meta(store, first.entry_id, lambda meta: meta.update(blob_sha256=hashlib.sha256(blob).hexdigest()))
     result = _run(tiny_model, store, "a red circle moving left", 1)
     assert not result.decision.reuse and result.model_calls == 12
     assert any(record.entry_id in w and "final latent has shape" in w for w in result.warnings)
@@ -176,7 +175,7 @@ def test_full_connectivity_resume_equals_dense_resume(tiny_model, tmp_path):
 
 def test_corrupt_entry_falls_back_to_a_full_generation(tiny_model, store):
     first = _run(tiny_model, store, "a red circle moving left", 1)
-    store._cache.set(("sig", first.entry_id), b"garbage")
+    set_raw(store, first.entry_id, "sig", b"garbage")
     result = _run(tiny_model, store, "a red circle moving left", 1)
     assert not result.decision.reuse and result.model_calls == 12
     assert any(first.entry_id in warning and "corrupt" in warning for warning in result.warnings)
@@ -200,3 +199,72 @@ def test_checkpoints_cover_every_reachable_resume_step():
     assert checkpoint_steps(20, 3, 20) == list(range(4, 14))
     thinned = checkpoint_steps(50, 5, 8)
     assert len(thinned) == 8 and thinned[-1] == 32 and thinned[0] > 5
+
+
+# ---- store faults degrade to a full generation (issue 16) ----------------------------------------
+
+def _gate_hit(model, store):
+    """A request a hair off an earlier one, probed and gated to a hit (not an exact repeat) on that entry."""
+    first = _run(model, store, "a red circle moving left", 1)
+    runner, config = TinyDiTRunner(model, "a red circle moving left"), _config()
+    probed = probe(runner, _noise(1) * 1.0001, SIGMAS, config)
+    decision = decide(probed, lookup(store, probed, config), config)
+    assert decision.reuse and not decision.exact_repeat and decision.entry_id == first.entry_id
+    full = generate(runner, _noise(1) * 1.0001, SIGMAS, CarnatorStore(store.location + "-empty", 64 << 20), config)
+    return first, runner, probed, decision, config, full
+
+
+@pytest.mark.parametrize("fault", ["corrupt blob", "missing blob", "evicted"])
+def test_a_hit_whose_entry_fails_between_gate_and_resume_is_generated_in_full(tiny_model, store, fault):
+    first, runner, probed, decision, config, full = _gate_hit(tiny_model, store)
+    if fault == "corrupt blob":
+        set_raw(store, first.entry_id, "blob", b"torn")
+    elif fault == "missing blob":
+        from store_damage import drop_raw
+        drop_raw(store, first.entry_id, "blob")
+    else:
+        CarnatorStore(store.location, 64 << 20).delete(first.entry_id)   # another worker evicts it
+    result = resume(runner, probed, decision, store, config)
+    assert not result.decision.reuse and result.model_calls == 12 and result.entry_id
+    assert any(first.entry_id in w and "generated in full" in w for w in result.warnings)
+    torch.testing.assert_close(result.latent, full.latent, atol=1e-5, rtol=0)
+
+
+def test_a_full_disk_returns_the_result_with_a_warning(tiny_model, store, monkeypatch):
+    import errno
+
+    from carnator_engine.backends.disk import DiskBackend
+
+    def full_disk(self, entry_id, blob):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(DiskBackend, "_write_blob", full_disk)
+    result = _run(tiny_model, store, "a red circle moving left", 1)
+    assert result.entry_id is None and result.model_calls == 12 and torch.isfinite(result.latent).all()
+    assert any("not stored" in w and store.location in w and "disk is full" in w for w in result.warnings)
+    assert store.stats()["entries"] == 0 and store.records(include_corrupt=True) == []
+
+
+def test_a_store_that_fails_every_read_costs_the_reuse_not_the_result(tiny_model, store, monkeypatch):
+    from carnator_engine.store import StoreError
+    first = _run(tiny_model, store, "a red circle moving left", 1)
+
+    def unreachable(*args, **kwargs):
+        raise StoreError("Carnator cache 'x' could not read an entry: the server cannot be reached")
+    for name in ("meta", "part", "changes"):
+        monkeypatch.setattr(store._backend, name, unreachable)
+    result = _run(tiny_model, store, "a red circle moving left", 1)
+    assert not result.decision.reuse and result.model_calls == 12
+    assert any("generated in full" in w and "cannot be reached" in w for w in result.warnings)
+    torch.testing.assert_close(result.latent, first.latent, atol=1e-5, rtol=0)
+
+
+def test_non_finite_sigmas_or_noise_are_refused_before_anything_runs(tiny_model, store):
+    broken = SIGMAS.clone()
+    broken[3] = float("nan")
+    with pytest.raises(ValueError, match="sigmas hold non-finite"):
+        _ = generate(TinyDiTRunner(tiny_model, "a red circle"), _noise(1), broken, store, _config())
+    noise = _noise(1)
+    noise[0, 0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="noise hold non-finite"):
+        probe(TinyDiTRunner(tiny_model, "a red circle"), noise, SIGMAS, _config())
+    assert store.stats()["entries"] == 0

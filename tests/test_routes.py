@@ -11,6 +11,7 @@ import torch
 from carnator_engine.euler import TinyDiTRunner
 from carnator_engine.pipeline import CarnatorConfig, generate
 from carnator_engine.schedule import flow_sigmas
+from store_damage import set_raw
 
 routes = pytest.importorskip("nodes.routes", reason="nodes.routes does not import here")
 stores = pytest.importorskip("nodes.stores")
@@ -116,7 +117,7 @@ def test_record_json_and_store_functions(registry, tiny_model):
 def test_corrupt_entries_are_listed_with_their_reason(registry, tiny_model):
     store = stores.open_store(registry, 64 << 20)
     entry = make_entry(store, tiny_model, "a green triangle moving right on gray background")
-    store._cache.set(("blob", entry), b"garbage")
+    set_raw(store, entry, "blob", b"garbage")
     record = store.record(entry)
     with pytest.raises(Exception):
         store.trajectory(record)
@@ -161,7 +162,7 @@ def test_handlers_over_http(registry, tiny_model, tmp_path):
         body = await response.json()
         assert {e["id"] for e in body["entries"]} == {kept, gone}
 
-        response = await client.get("/carnator/entries", params={"cache": other.directory})
+        response = await client.get("/carnator/entries", params={"cache": other.location})
         assert [e["id"] for e in (await response.json())["entries"]] == [elsewhere]
 
         response = await client.get(f"/carnator/entries/{kept}/thumbnail")
@@ -171,7 +172,7 @@ def test_handlers_over_http(registry, tiny_model, tmp_path):
         response = await client.get("/carnator/stats")
         stats = await response.json()
         assert stats["entries"] == 2 and stats["bytes"] > 0
-        assert {s["directory"] for s in stats["stores"]} == {store.directory, other.directory}
+        assert {s["directory"] for s in stats["stores"]} == {store.location, other.location}
 
         for method, path in [("GET", "/carnator/entries/NOT-AN-ID/thumbnail"),
                              ("DELETE", "/carnator/entries/0123456789ABCDEF"),
@@ -184,7 +185,7 @@ def test_handlers_over_http(registry, tiny_model, tmp_path):
         response = await client.delete("/carnator/entries/ffffffffffffffff")
         assert response.status == 404 and "no cache entry" in (await response.json())["error"]
 
-        for attempt in ["/etc", "../..", str(tmp_path), os.path.join(other.directory, "..")]:
+        for attempt in ["/etc", "../..", str(tmp_path), os.path.join(other.location, "..")]:
             response = await client.get("/carnator/entries", params={"cache": attempt})
             assert response.status == 400, attempt
             assert "not a Carnator store" in (await response.json())["error"] or "absolute" in \
@@ -203,7 +204,7 @@ def test_handlers_over_http(registry, tiny_model, tmp_path):
         assert (await response.json()) == {"deleted": 1}
         response = await client.get("/carnator/entries")
         assert (await response.json())["entries"] == []
-        response = await client.get("/carnator/entries", params={"cache": other.directory})
+        response = await client.get("/carnator/entries", params={"cache": other.location})
         assert len((await response.json())["entries"]) == 1  # clearing one store leaves the others
 
     run_client(scenario)
@@ -228,3 +229,35 @@ def test_unexpected_failures_are_json_500(registry):
             body = await response.json()
             assert response.status == 500 and body["status"] == 500 and "disk on fire" in body["error"]
     asyncio.run(main())
+
+
+def test_oversized_and_deeply_nested_bodies_are_413_and_400(registry):
+    async def scenario(client):
+        response = await client.post("/carnator/clear", data=b"{" + b" " * (2 << 20) + b"}",
+                                     headers={"Content-Type": "application/json"})
+        assert response.status == 413 and "over 1048576 bytes" in (await response.json())["error"]
+        nested = b"[" * 100_000 + b"]" * 100_000
+        response = await client.post("/carnator/clear", data=nested, headers={"Content-Type": "application/json"})
+        assert response.status == 400 and "not (plain) JSON" in (await response.json())["error"]
+    run_client(scenario)
+
+
+def test_a_redis_store_is_listed_without_its_password(registry, tiny_model, tmp_path):
+    from redis_server import RedisServer, require_redis_server
+    require_redis_server()
+    server = RedisServer(str(tmp_path / "redis"), password="s3cret-Pass").start()
+    try:
+        url = f"redis://:s3cret-Pass@127.0.0.1:{server.port}/0"
+        store = stores.open_store(url, 64 << 20)
+        entry = make_entry(store, tiny_model, "a red circle moving left on black background", seed=1)
+        assert stores.open_store(url, 64 << 20) is store
+        shown = store.location
+        assert shown == server.url and "s3cret" not in shown
+        listing = routes.list_entries(routes.resolve_store(shown))
+        stats = routes.store_stats(store)
+        assert [e["id"] for e in listing["entries"]] == [entry]
+        assert "s3cret" not in json.dumps([listing, stats, routes.store_directories()])
+        with pytest.raises(routes.RequestError):
+            routes.resolve_store(url)             # the password-bearing URL is never a name the browser may use
+    finally:
+        server.stop()

@@ -27,7 +27,7 @@ from carnator_engine.sparse_attention import (  # noqa: E402
     token_blocks_from_mask,
 )
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="flex path needs CUDA")
+needs_cuda = pytest.mark.gpu   # the flex path (tests/conftest.py skips it without a CUDA GPU)
 
 
 def qkv(B=1, H=2, L=70, D=16, seed=0, dtype=torch.float32, device="cpu"):
@@ -290,6 +290,33 @@ def test_flex_matches_masked_sdpa_cuda(bs, L):
     ref = reference_f64(q.cpu(), k.cpu(), v.cpu(), conn, bs)
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < 1e-2, float(err)
+
+
+def test_fa4_backend_names_what_it_needs_where_it_cannot_run():
+    q, k, v = qkv(L=300)     # float32 on the CPU: never an FA4 problem
+    conn = torch.ones(3, 3, dtype=torch.bool)
+    assert not sa.fa4_attention.supports(q, 128)
+    with pytest.raises(ValueError, match="flash-attn-4 package, a Hopper"):
+        block_sparse_attention(q, k, v, conn, 128, backend="fa4")
+    with pytest.raises(ValueError, match="flash-attn-4 package, a Hopper"):
+        BlockSparseAttention({0: conn}, block_size=128, backend="fa4").attend(0, q, k, v)
+    auto = block_sparse_attention(q, k, v, conn, 128, backend="auto")
+    assert torch.allclose(auto, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("L", [1000, 1024])
+def test_fa4_matches_f64_reference_cuda(L):
+    if torch.cuda.get_device_capability()[0] < 9 or sa.fa4_attention._interface() is None:
+        pytest.skip("needs flash-attn-4 (the gpu extra) and a Hopper-or-newer GPU")
+    q, k, v = qkv(L=L, D=128, dtype=torch.bfloat16, device="cuda", seed=L)
+    nb = sa.num_blocks(L, 128)
+    conn = random_conn(nb, nb, 0.3, 5)
+    out = block_sparse_attention(q, k, v, conn, 128, backend="fa4")
+    ref = reference_f64(q.cpu(), k.cpu(), v.cpu(), conn, 128)
+    assert float((out.cpu().double() - ref).norm() / ref.norm()) < 1e-2
+    plan = BlockSparseAttention({0: conn}, block_size=128, backend="auto")
+    assert torch.equal(plan.attend(0, q, k, v), out)
 
 
 @needs_cuda

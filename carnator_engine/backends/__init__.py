@@ -1,0 +1,32 @@
+"""Where a store keeps its bytes: the seam between CarnatorStore (records, checksums, index, eviction) and a backend.
+
+A backend stores, per entry id, an encoded metadata value and three parts ("sig", "blob", "thumb"), and keeps a
+change log so every process sharing the store can keep its in-memory index current. What every backend promises:
+- `commit(id, meta, parts)`: the parts are fully written before the metadata that refers to them is visible;
+- `remove(id)`: the metadata's removal is committed before any part is deleted, so a crash in between leaves an
+  orphan (reclaimed at the next open), never a visible entry with a missing part;
+- `update(id, change)`: an atomic read-modify-write of one entry's metadata; False when the entry is gone;
+- `meta(id)`, `part(id, kind)`: bytes or None; `metas()`: every (id, bytes or None) pair;
+- `changes(cursor)`: (new cursor, [(op, id)]) since `cursor`, or (cursor, None) when the log no longer reaches back
+  that far (the caller rebuilds); `cursor()` the current position;
+- `clear()`, `overhead_bytes()` (what the store takes beyond its entries' bytes), `reclaim_orphans()` ->
+  (count, bytes), `close()`; `location`: where it lives, safe to show (no password).
+Every failure of the medium is raised as StoreError naming the location and what to do.
+
+Two backends, one file each: `disk` (diskcache + blob files, the default, no server) and `redis_store`.
+"""
+from __future__ import annotations
+
+REDIS_SCHEMES = ("redis://", "rediss://")
+
+
+def is_redis_url(location: str) -> bool:
+    return location.strip().lower().startswith(REDIS_SCHEMES)
+
+
+def open_backend(location: str):
+    if is_redis_url(location):
+        from .redis_store import RedisBackend
+        return RedisBackend(location.strip())
+    from .disk import DiskBackend
+    return DiskBackend(location)

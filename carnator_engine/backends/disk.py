@@ -1,0 +1,259 @@
+"""The embedded backend (the default, no server): diskcache's SQLite for metadata, signatures, thumbnails and the
+change log, one file per trajectory blob.
+
+Blobs are not diskcache values: diskcache deletes a value's file before the enclosing transaction commits, so a
+crash during a delete tore an entry that was still committed. Here a blob is written to a temporary file, fsynced
+and renamed into place before the transaction that makes its metadata visible; a delete commits the metadata's
+removal first and unlinks the file after. A crash in between leaves an orphan file, reclaimed at the next open.
+Keys are text: "m:<id>" metadata, "s:<id>" signature, "t:<id>" thumbnail, "l:<n>" change log, "seq" its head.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import time
+import uuid
+
+import diskcache
+
+from ..store import StoreError
+
+LOG_KEEP = 100_000          # change-log records kept; a reader further behind rebuilds its index
+ORPHAN_GRACE_SECONDS = 600  # a blob without metadata younger than this may be another process's write in flight
+DB_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
+
+
+def _advice(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk is full: free space or lower the size limit"
+    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "it is not writable: fix its permissions or choose another cache path"
+    text = str(error).lower()
+    if "readonly" in text or "read-only" in text:
+        return "it is read-only: fix its permissions or choose another cache path"
+    if "not a database" in text or "malformed" in text or "corrupt" in text:
+        return "cache.db is damaged: move the directory away (or delete it) to start an empty cache"
+    if "full" in text:
+        return "the disk is full: free space or lower the size limit"
+    return "check the disk, or choose another cache path"
+
+
+class DiskBackend:
+    def __init__(self, directory: str):
+        directory = os.path.abspath(os.path.expanduser(directory))
+        self.location = directory
+        self.blob_dir = os.path.join(directory, "blobs")
+        database = os.path.join(directory, "cache.db")
+        if os.path.isfile(database) and os.path.getsize(database) == 0:
+            # SQLite would open a zero-length file as a new empty database and every entry would be silently lost.
+            raise StoreError(f"Carnator cache {directory!r}: cache.db is empty (zero bytes; truncated?), so the "
+                             "entries it listed are lost: delete the directory to start an empty cache")
+        if os.path.exists(database) and not os.path.isfile(database):
+            raise StoreError(f"Carnator cache {directory!r}: cache.db is not a file: move it away or choose "
+                             "another cache path")
+        try:
+            os.makedirs(self.blob_dir, exist_ok=True)
+            probe = os.path.join(directory, f".write-test-{uuid.uuid4().hex}")
+            with open(probe, "wb") as handle:
+                handle.write(b"ok")
+            os.remove(probe)
+        except OSError as error:
+            raise StoreError(f"Carnator cache directory {directory!r} is not writable ({error.strerror or error}): "
+                             "choose another cache path") from error
+        # Everything but blobs stays inside SQLite (atomic with its transaction): no diskcache value files.
+        self._cache = self._guard("open", lambda: diskcache.Cache(
+            directory, size_limit=1 << 62, eviction_policy="none", disk_min_file_size=1 << 30,
+            # A WAL that is checkpointed often and truncated after each checkpoint keeps SQLite's share of the
+            # size limit small (its default grows to 4 MB and stays).
+            sqlite_wal_autocheckpoint=256, sqlite_journal_size_limit=1 << 20))
+        self._guard("open", lambda: self._cache.get("seq"))  # a damaged database fails here, not mid-request
+
+    def _guard(self, action: str, work):
+        try:
+            return work()
+        except StoreError:
+            raise
+        except (OSError, sqlite3.Error, diskcache.Timeout) as error:
+            raise StoreError(f"Carnator cache {self.location!r} could not {action} ({error}): "
+                             f"{_advice(error)}") from error
+
+    def _blob_path(self, entry_id: str) -> str:
+        return os.path.join(self.blob_dir, entry_id + ".blob")
+
+    # ---- writing ---------------------------------------------------------------------------------
+
+    def _log(self, op: str, entry_id: str) -> None:
+        """Inside a transaction: one change-log record."""
+        seq = self._cache.incr("seq", default=0)
+        self._cache.set(f"l:{seq}", f"{op} {entry_id}")
+        self._cache.delete(f"l:{seq - LOG_KEEP}")
+
+    def _write_blob(self, entry_id: str, blob: bytes) -> None:
+        final = self._blob_path(entry_id)
+        temporary = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(blob)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, final)
+            descriptor = os.open(self.blob_dir, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        except BaseException:
+            for path in (temporary, final):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+            raise
+
+    def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
+        def work():
+            self._write_blob(entry_id, parts["blob"])
+            try:
+                with self._cache.transact():
+                    self._cache.set(f"s:{entry_id}", parts["sig"])
+                    self._cache.set(f"t:{entry_id}", parts["thumb"])
+                    self._cache.set(f"m:{entry_id}", meta)
+                    self._log("put", entry_id)
+            except BaseException:
+                self._unlink(entry_id)
+                raise
+        self._guard("store an entry", work)
+
+    def update(self, entry_id: str, change) -> bool:
+        def work():
+            with self._cache.transact():
+                meta = self._cache.get(f"m:{entry_id}")
+                if meta is None:
+                    return False
+                self._cache.set(f"m:{entry_id}", change(meta))
+                self._log("meta", entry_id)
+                return True
+        return self._guard("update an entry", work)
+
+    def remove(self, entry_id: str) -> bool:
+        def work():
+            with self._cache.transact():
+                existed = self._cache.delete(f"m:{entry_id}")
+                self._cache.delete(f"s:{entry_id}")
+                self._cache.delete(f"t:{entry_id}")
+                if existed:
+                    self._log("del", entry_id)
+            self._unlink(entry_id)  # after the commit: a crash here leaves an orphan, not a torn entry
+            return bool(existed)
+        return self._guard("delete an entry", work)
+
+    def _unlink(self, entry_id: str) -> None:
+        try:
+            os.remove(self._blob_path(entry_id))
+        except FileNotFoundError:
+            pass
+
+    def clear(self) -> None:
+        def work():
+            ids = [entry_id for entry_id, _ in self.metas()]
+            with self._cache.transact():
+                for entry_id in ids:
+                    for kind in "mst":
+                        self._cache.delete(f"{kind}:{entry_id}")
+                self._log("clear", "-")
+            for entry_id in ids:
+                self._unlink(entry_id)
+        self._guard("clear the cache", work)
+
+    # ---- reading ---------------------------------------------------------------------------------
+
+    def meta(self, entry_id: str):
+        return self._guard("read an entry", lambda: self._cache.get(f"m:{entry_id}"))
+
+    def part(self, entry_id: str, kind: str):
+        if kind != "blob":
+            return self._guard("read an entry", lambda: self._cache.get(f"{kind[0]}:{entry_id}"))
+        try:
+            with open(self._blob_path(entry_id), "rb") as handle:
+                return handle.read()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise StoreError(f"Carnator cache {self.location!r} could not read a blob ({error}): "
+                             f"{_advice(error)}") from error
+
+    def metas(self):
+        def work():
+            found = []
+            for key in self._cache.iterkeys():
+                if isinstance(key, str) and key.startswith("m:"):
+                    try:
+                        found.append((key[2:], self._cache.get(key)))
+                    except Exception:  # noqa: BLE001 - one unreadable value must not hide the others
+                        found.append((key[2:], None))
+            return found
+        return self._guard("list its entries", work)
+
+    def cursor(self) -> int:
+        return int(self._guard("read its change log", lambda: self._cache.get("seq", 0)))
+
+    def changes(self, cursor: int):
+        def work():
+            head = int(self._cache.get("seq", 0))
+            if head == cursor:
+                return cursor, []
+            if head - cursor > LOG_KEEP or head < cursor:
+                return head, None
+            found = []
+            for seq in range(cursor + 1, head + 1):
+                record = self._cache.get(f"l:{seq}")
+                if record is None:
+                    return head, None
+                op, entry_id = record.split(" ", 1)
+                found.append((op, entry_id))
+            return head, found
+        return self._guard("read its change log", work)
+
+    # ---- space -----------------------------------------------------------------------------------
+
+    def overhead_bytes(self) -> int:
+        """SQLite's own files (metadata, signatures, thumbnails, log and free pages): the limit counts them."""
+        total = 0
+        for name in DB_FILES:
+            try:
+                total += os.path.getsize(os.path.join(self.location, name))
+            except OSError:
+                pass
+        return total
+
+    def compact(self) -> None:
+        """Moves the WAL into cache.db and truncates it, when the store is over its limit."""
+        def work():
+            connection = sqlite3.connect(os.path.join(self.location, "cache.db"), timeout=10)
+            try:
+                connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                connection.close()
+        self._guard("compact cache.db", work)
+
+    def reclaim_orphans(self) -> tuple:
+        """Blob files no metadata refers to (a crash between a blob's write and its commit, or between a delete's
+        commit and its unlink), and temporary files of interrupted writes, older than the grace period."""
+        count = freed = 0
+        cutoff = time.time() - ORPHAN_GRACE_SECONDS
+        for name in os.listdir(self.blob_dir):
+            path = os.path.join(self.blob_dir, name)
+            entry_id = name.split(".", 1)[0]
+            try:
+                stat = os.stat(path)
+                if stat.st_mtime > cutoff or (name.endswith(".blob") and self.meta(entry_id) is not None):
+                    continue
+                os.remove(path)
+            except (OSError, StoreError):
+                continue
+            count, freed = count + 1, freed + stat.st_size
+        return count, freed
+
+    def close(self) -> None:
+        self._cache.close()

@@ -1,0 +1,216 @@
+"""The shared backend: one Redis server holds every part of every entry, for many ComfyUI workers.
+
+Keys (prefix `carnator:`): `m:<id>` metadata, `s:<id>` signature, `b:<id>` trajectory blob, `t:<id>` thumbnail, the
+set `ids` and the stream `log` (the change log every worker's in-memory index follows). An entry is written,
+updated and removed in one MULTI/EXEC transaction, so no client ever sees part of one, whatever happens to the
+writer; with `appendonly yes` a committed entry survives a restart of the server. Blobs live in Redis too,
+not in a shared directory: benchmarks/store_scale.py measured both for a Wan-1.3B-sized entry (RESULTS.md,
+"Store at scale"), and one server with atomic transactions is simpler to run than a server plus a shared
+filesystem, at the price of keeping trajectories in the server's memory.
+
+The password comes from the URL (`redis://:PASSWORD@host:port/db`) or, when the URL has none, from the
+CARNATOR_REDIS_PASSWORD environment variable. It is never part of `location` or of any message: every error
+text is scrubbed of it.
+"""
+from __future__ import annotations
+
+import os
+import urllib.parse
+
+from ..store import StoreError
+
+PASSWORD_VARIABLE = "CARNATOR_REDIS_PASSWORD"
+PREFIX = "carnator:"
+LOG_KEEP = 100_000
+BATCH = 500
+TIMEOUT_SECONDS = 60   # a Wan-sized blob is tens of MB
+
+
+def shown_url(url: str) -> str:
+    """The URL without its password (user name, host, port and database kept)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or "localhost"
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = (f"{parts.username}@" if parts.username else "") + host + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _stream_id(text) -> tuple:
+    if isinstance(text, bytes):
+        text = text.decode()
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class RedisBackend:
+    def __init__(self, url: str):
+        try:
+            import redis
+        except ImportError:
+            raise StoreError("a redis:// cache needs the redis package: pip install -r requirements-redis.txt "
+                             "(or pip install 'comfyui-carnator[redis]')") from None
+        self._errors = redis.exceptions
+        self.location = shown_url(url)
+        given = urllib.parse.urlsplit(url).password
+        self._password = urllib.parse.unquote(given) if given else os.environ.get(PASSWORD_VARIABLE) or None
+        try:
+            self._client = redis.Redis.from_url(url, password=self._password, socket_timeout=TIMEOUT_SECONDS,
+                                                socket_connect_timeout=10)
+        except ValueError as error:
+            raise StoreError(self._scrub(f"Carnator cache URL {self.location!r} is not valid ({error}): write it "
+                                         "as redis://[:password@]host:port/db or rediss:// for TLS")) from None
+        self._guard("connect", self._client.ping)
+
+    # ---- errors ----------------------------------------------------------------------------------
+
+    def _scrub(self, text: str) -> str:
+        if self._password:
+            for spelled in {self._password, urllib.parse.quote(self._password, safe="")}:
+                text = text.replace(spelled, "***")
+        return text
+
+    def _guard(self, action: str, work):
+        errors = self._errors
+        try:
+            return work()
+        except errors.AuthenticationError as error:
+            advice = ("the password was refused (wrong password?)" if self._password else
+                      "it asks for a password and none was given")
+            message = f"{advice} ({error}): put it in the URL (redis://:PASSWORD@host:port/db) or in " \
+                      f"{PASSWORD_VARIABLE}"
+        except errors.ResponseError as error:
+            text = str(error)
+            if "NOAUTH" in text or "uthentication required" in text:
+                message = (f"it asks for a password and none was given ({text}): put it in the URL "
+                           f"(redis://:PASSWORD@host:port/db) or in {PASSWORD_VARIABLE}")
+            elif "without any password configured" in text:
+                message = f"a password was given but the server has none ({text}): remove it from the URL"
+            elif "OOM" in text:
+                message = f"the server is out of memory ({text}): lower the size limit or raise Redis' maxmemory"
+            else:
+                message = f"the server refused ({text})"
+        except (errors.ConnectionError, errors.TimeoutError) as error:
+            message = f"the server cannot be reached ({error}): start redis-server or fix the URL"
+        except errors.RedisError as error:
+            message = f"the server failed ({error})"
+        raise StoreError(self._scrub(f"Carnator cache {self.location!r} could not {action}: {message}")) from None
+
+    def _key(self, kind: str, entry_id: str) -> str:
+        return f"{PREFIX}{kind[0]}:{entry_id}"
+
+    # ---- writing ---------------------------------------------------------------------------------
+
+    def _log(self, pipe, op: str, entry_id: str) -> None:
+        pipe.xadd(PREFIX + "log", {"op": op, "id": entry_id}, maxlen=LOG_KEEP, approximate=True)
+
+    def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
+        def work():
+            pipe = self._client.pipeline(transaction=True)
+            for kind in ("sig", "blob", "thumb"):
+                pipe.set(self._key(kind, entry_id), parts[kind])
+            pipe.set(self._key("meta", entry_id), meta)
+            pipe.sadd(PREFIX + "ids", entry_id)
+            self._log(pipe, "put", entry_id)
+            pipe.execute()
+        self._guard("store an entry", work)
+
+    def update(self, entry_id: str, change) -> bool:
+        key = self._key("meta", entry_id)
+
+        def work():
+            with self._client.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        pipe.watch(key)
+                        meta = pipe.get(key)
+                        if meta is None:
+                            pipe.unwatch()
+                            return False
+                        pipe.multi()
+                        pipe.set(key, change(meta))
+                        self._log(pipe, "meta", entry_id)
+                        pipe.execute()
+                        return True
+                    except self._errors.WatchError:
+                        continue   # another worker changed it first: read it again
+        return self._guard("update an entry", work)
+
+    def remove(self, entry_id: str) -> bool:
+        def work():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(self._key("meta", entry_id))
+            pipe.srem(PREFIX + "ids", entry_id)
+            for kind in ("sig", "blob", "thumb"):
+                pipe.delete(self._key(kind, entry_id))
+            self._log(pipe, "del", entry_id)
+            return bool(pipe.execute()[0])
+        return self._guard("delete an entry", work)
+
+    def clear(self) -> None:
+        def work():
+            ids = [i.decode() for i in self._client.smembers(PREFIX + "ids")]
+            pipe = self._client.pipeline(transaction=True)
+            for start in range(0, len(ids), BATCH):
+                pipe.delete(*[self._key(kind, e) for e in ids[start:start + BATCH] for kind in "msbt"])
+            pipe.delete(PREFIX + "ids")
+            self._log(pipe, "clear", "-")
+            pipe.execute()
+        self._guard("clear the cache", work)
+
+    # ---- reading ---------------------------------------------------------------------------------
+
+    def meta(self, entry_id: str):
+        return self._guard("read an entry", lambda: self._client.get(self._key("meta", entry_id)))
+
+    def part(self, entry_id: str, kind: str):
+        return self._guard("read an entry", lambda: self._client.get(self._key(kind, entry_id)))
+
+    def metas(self):
+        def work():
+            ids = sorted(i.decode() for i in self._client.smembers(PREFIX + "ids"))
+            found = []
+            for start in range(0, len(ids), BATCH):
+                chunk = ids[start:start + BATCH]
+                found.extend(zip(chunk, self._client.mget([self._key("meta", e) for e in chunk])))
+            return found
+        return self._guard("list its entries", work)
+
+    def cursor(self) -> str:
+        def work():
+            last = self._client.xrevrange(PREFIX + "log", count=1)
+            return last[0][0].decode() if last else "0-0"
+        return self._guard("read its change log", work)
+
+    def changes(self, cursor: str):
+        def work():
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xrange(PREFIX + "log", min=f"({cursor}", max="+")
+            pipe.xrange(PREFIX + "log", count=1)
+            pipe.xrevrange(PREFIX + "log", count=1)
+            new, first, last = pipe.execute()
+            seen = _stream_id(cursor)
+            head = _stream_id(last[0][0]) if last else (0, 0)
+            # Rebuild when the log no longer reaches back to the cursor (trimmed past it: this worker is LOG_KEEP
+            # changes behind) or the server lost it (restarted without persistence).
+            if head < seen or (seen != (0, 0) and first and _stream_id(first[0][0]) > seen):
+                return (last[0][0].decode() if last else "0-0"), None
+            if not new:
+                return cursor, []
+            changes = [(fields[b"op"].decode(), fields[b"id"].decode()) for _, fields in new]
+            return new[-1][0].decode(), changes
+        return self._guard("read its change log", work)
+
+    # ---- space -----------------------------------------------------------------------------------
+
+    def overhead_bytes(self) -> int:
+        return 0   # the server's own memory is its administrator's (maxmemory), not part of the entries' limit
+
+    def compact(self) -> None:
+        return None
+
+    def reclaim_orphans(self) -> tuple:
+        return 0, 0  # parts are written and removed in the same transaction as their metadata: none can orphan
+
+    def close(self) -> None:
+        self._client.close()

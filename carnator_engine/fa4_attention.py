@@ -1,0 +1,64 @@
+"""Block-sparse attention on FlashAttention-4 (the `flash-attn-4` package, CuTe DSL kernels).
+
+Optional: installed with the `gpu` extra on Hopper or newer GPUs. On an H200 (bf16, D=128, L=32760, block
+128) it runs a 0.3-density table in 3.16 ms against 11.70 ms for dense cuDNN attention (0.27 of dense) where
+flex_attention needs 4.67-5.09 ms (0.40-0.43): benchmarks/results/kernels/fa4_h200.json.
+
+Every allowed block pair is a *full* block for the kernel (no mask function), so the result is exact
+attention under the block table, as with the other backends. Tokens past the sequence end in a partial last
+block are bounded by the kernel's own sequence length.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+KERNEL_BLOCK = 128
+"""The SM90 kernel's KV tile for D <= 128: a block table's block size must be a multiple of it."""
+
+
+@functools.lru_cache(maxsize=1)
+def _interface():
+    try:
+        from flash_attn.cute import interface
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    except Exception:  # not installed, or its CUDA libraries do not load here
+        return None
+    return interface, BlockSparseTensorsTorch
+
+
+def supports(q: torch.Tensor, block_size: int) -> bool:
+    """True when FA4 can run this problem: installed, a Hopper-or-newer GPU, 16-bit floats, D a multiple of
+    16 up to 128 (the head sizes whose tiles match the 128-token blocks), and blocks of whole tiles."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if block_size % KERNEL_BLOCK or q.shape[-1] % 16 or q.shape[-1] > 128:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    return _interface() is not None
+
+
+def prepare(table: torch.Tensor, block_size: int, scale: float | None) -> Callable:
+    """The kernel's index tensors for a validated block table, built once -> `fn(q, k, v)` on [B, H, L, D]."""
+    interface, BlockSparseTensorsTorch = _interface()
+    counts = table.sum(dim=-1, dtype=torch.int32)
+    # allowed key blocks first, in ascending order: the kernel reads the first `count` of each row
+    indices = torch.argsort((~table).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    nqb, nkb = table.shape
+    full_counts = counts.view(1, 1, nqb).contiguous()
+    full_indices = indices.view(1, 1, nqb, nkb).contiguous()
+    sparse = BlockSparseTensorsTorch(
+        mask_block_cnt=torch.zeros_like(full_counts), mask_block_idx=torch.zeros_like(full_indices),
+        full_block_cnt=full_counts, full_block_idx=full_indices, block_size=(block_size, block_size))
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # [B, H, L, D] views of the hosts' [B, L, H*D] projections are [B, L, H, D] in memory already
+        q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
+        q4, k4, v4 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4))
+        out, _ = interface.flash_attn_func(q4, k4, v4, softmax_scale=scale, block_sparse_tensors=sparse)
+        return out.transpose(1, 2)
+
+    return run
