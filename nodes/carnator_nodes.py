@@ -210,7 +210,7 @@ class CarnatorEarlyProbe:
                                          sampler_name, scheduler, probe_steps, experts)
         probed = pipeline.probe(runner, noise, runner.sigmas, config, store=store)
         return (ProbeBundle(runner, probed, config, int(seed), prompt_text(prompt, unique_id), latent.extra,
-                            None if store is None else store.directory),)
+                            None if store is None else store.location),)
 
 
 def _check_probe(node: str, probe) -> ProbeBundle:
@@ -236,8 +236,8 @@ class CarnatorSignatureCacheLookup:
         bundle = _check_probe(node, probe)
         if int(limit) < 1:
             raise fail(node, "limit", f"limit={limit} must be >= 1")
-        if bundle.directory is not None and bundle.directory != store.directory:
-            raise fail(node, "cache", f"is {store.directory!r} but the probe checked {bundle.directory!r}: connect "
+        if bundle.directory is not None and bundle.directory != store.location:
+            raise fail(node, "cache", f"is {store.location!r} but the probe checked {bundle.directory!r}: connect "
                                       "the same Carnator Cache to the Early Probe, Lookup and Resume")
         config = dataclasses.replace(bundle.config, lookup_limit=int(limit))
         candidates = pipeline.lookup(store, bundle.probed, config)
