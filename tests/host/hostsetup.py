@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_COMFYUI = "/opt/ComfyUI"
 PLUGIN_DIR_NAME = "comfyui-carnator"
 TINY_WAN = "carnator_test_tiny_wan21_t2v.safetensors"
+TINY_WAN22_HIGH, TINY_WAN22_LOW = "carnator_test_wan22_high.safetensors", "carnator_test_wan22_low.safetensors"
 
 _host: dict = {}
 

@@ -14,8 +14,7 @@ from conftest import CallCounter
 from test_comfyui_host import CFG, SEED, node, nudged, open_cache, sample, store_state
 
 STEPS, PROBE, SWITCH = 10, 2, 5
-HIGH, LOW, DEEPER = "carnator_test_wan22_high.safetensors", "carnator_test_wan22_low.safetensors", \
-    "carnator_test_wan22_3_blocks.safetensors"
+HIGH, LOW, DEEPER = hostsetup.TINY_WAN22_HIGH, hostsetup.TINY_WAN22_LOW, "carnator_test_wan22_3_blocks.safetensors"
 
 
 def load(comfy, name, shift=8.0):

@@ -10,7 +10,7 @@ import hostsetup
 from workflowcheck import FRONTEND_ONLY, check_workflow
 
 WORKFLOW = hostsetup.REPO / "workflows" / "carnator_wan21_t2v.json"
-MODEL_FILES = {"unet_name", "clip_name", "vae_name"}   # names of files the user downloads
+MODEL_FILES = {"unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name", "ckpt_name"}   # names of files the user downloads
 
 
 @pytest.fixture(scope="module")
@@ -62,5 +62,22 @@ def test_host_template_browser_lists_the_workflow(comfy, plugin):
             return listing, served.status, await served.json(content_type=None)
 
     listing, status, served = asyncio.run(templates())
-    assert listing.get(hostsetup.PLUGIN_DIR_NAME) == ["carnator_wan21_t2v"]
+    assert sorted(listing.get(hostsetup.PLUGIN_DIR_NAME)) == [name[:-len(".json")] for name in WORKFLOWS]
     assert status == 200 and served == json.loads(WORKFLOW.read_text())
+
+
+WORKFLOWS = sorted(path.name for path in (hostsetup.REPO / "workflows").glob("*.json"))
+
+
+def test_one_workflow_per_backbone_and_a_staged_chain():
+    assert WORKFLOWS == ["carnator_hunyuan_video_t2v.json", "carnator_ltxv_t2v.json",
+                         "carnator_staged_chain_wan21.json", "carnator_wan21_t2v.json", "carnator_wan22_5b_t2v.json",
+                         "carnator_wan22_a14b_t2v.json"]
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_every_workflow_fits_the_host_and_our_nodes(comfy, plugin, name):
+    shipped = json.loads((hostsetup.REPO / "workflows" / name).read_text())
+    classes = comfy.NODE_CLASS_MAPPINGS
+    assert {n["type"] for n in shipped["nodes"]} - set(classes) - FRONTEND_ONLY == set()
+    assert check_workflow(shipped, classes, check_combos=lambda node_type, widget: widget not in MODEL_FILES) == []
