@@ -259,11 +259,11 @@ def noop_self_attention(func, *args, **kwargs):
     return func(*args, **kwargs)
 
 
-def plain_sample(model, noise, sigmas, positive, negative, seed, callback=None):
+def plain_sample(model, noise, sigmas, positive, negative, seed, callback=None, cfg=1.0):
     import comfy.sample
     import comfy.samplers
     sampler = comfy.samplers.sampler_object("euler")
-    return comfy.sample.sample_custom(model, noise, 1.0, sampler, sigmas, positive, negative, torch.zeros_like(noise),
+    return comfy.sample.sample_custom(model, noise, cfg, sampler, sigmas, positive, negative, torch.zeros_like(noise),
                                       callback=callback, disable_pbar=True, seed=seed)
 
 

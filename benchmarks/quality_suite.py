@@ -66,13 +66,19 @@ RUNS = {
     "replication_seed1_loose_refine": LOOSE_REFINE,
     "replication_seed1_never_refuse_12": NEVER_REFUSE_12,
 }
+# what a user would pick instead, per request (a plain 12- or 14-step schedule, the EasyCache rule at about 2x),
+# and Carnator (refine on, the product's default) on top of each
+PER_REQUEST = ["--step-cache-threshold", "0.05", "--methods", "no_reuse,steps_12,steps_14,easycache,carnator_refine,"
+               "carnator_refine+easycache,carnator_refine+steps_14"]
+RUNS["per_request"] = PER_REQUEST
 # pooled configuration -> quality.py arguments, run on every pooled set
 POOLED_RUNS = {"balanced": ["--methods", "no_reuse,text_similarity,carnator"],
                "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
                "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
                "balanced_refine": PLAIN_AND_REFINE,
                "aggressive_refine": ["--risk", "aggressive", *PLAIN_AND_REFINE],
-               "never_refuse_12": NEVER_REFUSE_12}
+               "never_refuse_12": NEVER_REFUSE_12,
+               "per_request": PER_REQUEST}
 RUNS.update({f"pooled{seed}_{config}": arguments for config, arguments in POOLED_RUNS.items() for seed in POOLED_SEEDS})
 FIRST = ("balanced", "replication_seed1", *(f"pooled{seed}_balanced" for seed in POOLED_SEEDS))
 # --only takes run names or these groups; with no --only the suite runs "cpu", what RESULTS.md's CPU tables need
@@ -122,6 +128,15 @@ LABELS = {"no_reuse": "no reuse", "text_similarity": "text similarity (MiniLM co
 SEEDS = (("fresh", ""), ("fixed", "_fixed_seed"))
 
 
+def label(method: str) -> str:
+    """A method's name in the tables; per-request methods (steps_N, easycache, "<carnator>+<per-request>") as
+    quality.py names them."""
+    base, _, per_request = method.partition("+")
+    if per_request:
+        return f"{LABELS.get(base, base)} + {per_request}"
+    return LABELS.get(method, method)
+
+
 def _load(out_dir: str, label: str):
     path = os.path.join(out_dir, f"quality_{label}.json")
     if not os.path.exists(path):
@@ -162,7 +177,7 @@ def tables(out_dir: str) -> str:
             if own is not None:
                 rows["own_jump"] = own[kind]["own_jump"]
             for method, s in rows.items():
-                lines.append(f"| {kind.split('_')[0]} | {LABELS[method]} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
+                lines.append(f"| {kind.split('_')[0]} | {label(method)} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
                              f"| {s['psnr']:.1f} | {s['ssim']:.3f} | {s['attribute_accuracy']:.1%} | {s['wrong_accepts']} "
                              f"| {_flips(s)} |")
     lines += ["", "| gate | seeds | hits | calls saved | attr acc (no reuse) | wrong acc | made wrong / right (sign p) "
@@ -201,7 +216,7 @@ def tables(out_dir: str) -> str:
                                                  "never refusing, always resume at 12"))):
         for method, s in it.items():
             if method != "no_reuse":
-                lines.append(f"| {gate} | {seeds} | {LABELS[method]} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
+                lines.append(f"| {gate} | {seeds} | {label(method)} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
                              f"| {_accuracy(s, it)} | {s['wrong_accepts']} | {_flips(s)} | "
                              f"{_accuracy(adv[method], adv)} | {adv[method]['wrong_accepts']} |")
     lines += ceiling_table(out_dir)
@@ -245,7 +260,7 @@ def pooled_table(out_dir: str) -> list:
                 if method == "no_reuse":
                     continue
                 s, a = it[method], adv[method]
-                lines.append(f"| {config} | {seeds} | {len(found)} | {LABELS[method]} | {s['requests']} | "
+                lines.append(f"| {config} | {seeds} | {len(found)} | {label(method)} | {s['requests']} | "
                              f"{s['hit_rate']:.0%} ({s['exact_repeats']}) | {s['model_calls_saved']:.0%} | {_accuracy(s, it)} | "
                              f"{_change(s)} | {_flips(s)} | {_accuracy(a, adv)} | {_change(a)} | {a['wrong_accepts']} |")
     return lines

@@ -23,8 +23,9 @@ class ConnectivityRecorder:
         self.connectivity: dict = {}
 
     def self_attention(self, step: int, block_index: int, q, k) -> None:
-        # tables stay on the model's device until tensors(): a copy per block would stall the GPU queue
-        if step == self.record_step:
+        # tables stay on the model's device until tensors(): a copy per block would stall the GPU queue.
+        # The first step from record_step on that runs the block: a step cache (EasyCache) may skip that very one
+        if step >= self.record_step and block_index not in self.connectivity:
             pooled = pooled_block_attention(q, k, self.block_size)
             self.connectivity[block_index] = select_connectivity(pooled, mass=self.mass, max_density=self.max_density)
 

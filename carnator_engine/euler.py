@@ -28,6 +28,7 @@ class TinyDiTRunner:
             self.text = model.encode_prompts(prompts)
         self.model_fingerprint = module_fingerprint(model)
         self.sampler = f"euler/cfg={guidance_scale:g}"
+        self.counts_forwards = True     # one batched forward per step (velocity)
         digest = hashlib.sha256()
         for tensor in self.text:
             digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
@@ -46,6 +47,7 @@ class TinyDiTRunner:
         padding = padding.repeat_interleave(x.shape[0], dim=0)
         model_in = x if batch == x.shape[0] else torch.cat([x, x])
         sigmas = torch.full((batch,), float(sigma), device=x.device)
+        observer.forward()
         v = self.model(model_in, sigmas, (context, padding), observer)
         if batch == x.shape[0]:
             return v

@@ -173,11 +173,14 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
     return resume, refine, cells, numbers, reasons
 
 
-def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, risk: str = "custom") -> Decision:
-    """Pick the candidate that saves the most model calls among those the policy accepts."""
+def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, risk: str = "custom",
+           model_text: str = "") -> Decision:
+    """Pick the candidate that saves the most model calls among those the policy accepts. `model_text` names the
+    model's options (patches, step caches...): all part of the bucket, so the reason for a new bucket says them."""
     if not candidates:
+        options = f" (this model: {model_text})" if model_text else ""
         return Decision(False, risk, steps, probe_steps, probe_steps,
-                        reasons=["no earlier generation of this model, shape and schedule is in the cache"])
+                        reasons=[f"no earlier generation of this model, shape and schedule is in the cache{options}"])
     best, rejected = None, []
     for candidate in candidates:
         resume, refine, cells, numbers, reasons = _assess(candidate, policy, steps, probe_steps)

@@ -22,16 +22,37 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return F.scaled_dot_product_attention(q, k, v)
 
 
-@dataclass
 class CheckpointRecorder:
-    """Keeps the latent *entering* each chosen step, on the CPU in fp16 (VRAM stays free)."""
+    """Keeps the latent *entering* each chosen step, on the CPU in fp16 (VRAM stays free).
 
-    steps: frozenset
-    latents: dict = field(default_factory=dict)
+    From a GPU the copy is queued on the stream into pinned memory and not waited for (a blocking copy would stall
+    the sampler at every kept step: part of a miss's cost over plain sampling); `latents` waits for the copies."""
+
+    def __init__(self, steps: frozenset):
+        self.steps = steps
+        self._latents: dict = {}
+        self._pending = []          # CUDA events after copies not yet waited for
+
+    @property
+    def latents(self) -> dict:
+        for event in self._pending:
+            event.synchronize()
+        self._pending.clear()
+        return self._latents
 
     def record(self, step: int, x: torch.Tensor) -> None:
-        if step in self.steps:
-            self.latents[step] = x.detach().to("cpu", torch.float16)
+        if step not in self.steps:
+            return
+        half = x.detach().to(torch.float16)
+        if not half.is_cuda:
+            self._latents[step] = half.to("cpu")
+            return
+        host = torch.empty(half.shape, dtype=half.dtype, pin_memory=True)
+        host.copy_(half, non_blocking=True)    # stream-ordered: later in-place writes to x come after it
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append(event)
+        self._latents[step] = host
 
 
 @dataclass
@@ -41,14 +62,19 @@ class GenerationObserver:
     checkpoints: Optional[CheckpointRecorder] = None
     sparse: Optional[object] = None         # sparse_attention.BlockSparseAttention
     step: int = -1
-    model_calls: int = 0
+    steps_run: int = 0                      # sampler steps evaluated (a step cache may answer some itself)
+    forwards: int = 0                       # diffusion model forwards, as runners that count them report
+    step_cache_skipped: int = 0             # steps a step cache (EasyCache) answered without a forward
     last_denoised: Optional[torch.Tensor] = None
 
     def begin_step(self, step: int, x: torch.Tensor) -> None:
         self.step = step
-        self.model_calls += 1
+        self.steps_run += 1
         if self.checkpoints is not None:
             self.checkpoints.record(step, x)
+
+    def forward(self) -> None:
+        self.forwards += 1
 
     def block_output(self, block_index: int, hidden: torch.Tensor) -> None:
         if self.signature is not None:

@@ -3,11 +3,15 @@
 The four stages are separate functions so ComfyUI can expose each as a node; `generate` chains
 them, after `replay`: a request whose every input matches an earlier full generation gets that
 generation's stored result, with no model call. A runner is anything with `layout`,
-`model_fingerprint`, `sampler` (text naming everything else that shapes a trajectory: sampler,
-guidance), `request_fingerprint` (a digest of the request's own inputs besides the noise: its
-conditioning, a stochastic sampler's seed), `run(x, sigmas, start, end, observer)` that runs steps
-[start, end) and returns the latent entering `end`, and `preview(latent)` giving an RGB frame
-[3, H, W] in [-1, 1] for the thumbnail.
+`model_fingerprint` (everything on the model that changes its outputs), `sampler` (text naming the
+sampler and its guidance scale), `request_fingerprint` (a digest of the request's own inputs besides
+the noise: its conditioning, a stochastic sampler's seed), `run(x, sigmas, start, end, observer)` that
+runs steps [start, end) and returns the latent entering `end`, and `preview(latent)` giving an RGB frame
+[3, H, W] in [-1, 1] for the thumbnail. Optional: `uncacheable` (why this model must be generated without
+the cache: an option its fingerprint cannot read), `model_text` (the model's options, for people),
+`step_cache` (the per-request step cache running inside, by name), `counts_forwards` (the runner reports
+each diffusion-model forward to observer.forward(); otherwise a step counts as one call) and
+`changed_since_fingerprint()` (why the model no longer matches its fingerprint, "" when it does).
 """
 from __future__ import annotations
 
@@ -77,6 +81,9 @@ class ProbeResult:
     seconds: float
     repeat: Optional[tuple] = None        # (entry id, final latent) of the full generation this request repeats
     bucket_parts: dict = field(default_factory=dict)    # index.bucket_parts: stored with the entry
+    model_calls: int = 0        # diffusion model forwards of the probe
+    uncacheable: str = ""       # non-empty: why this request is generated without the cache
+    model_text: str = ""        # the model's options, for the "no earlier generation of this model" reason
 
     @property
     def steps(self) -> int:
@@ -87,14 +94,23 @@ class ProbeResult:
 class GenerationResult:
     latent: torch.Tensor
     decision: gate_module.Decision
-    model_calls: int
+    model_calls: int              # diffusion model forwards (per cond/uncond batch as the host runs them)
     entry_id: Optional[str]
     seconds: dict
     warnings: list = field(default_factory=list)
+    steps_run: int = 0            # sampler steps evaluated, probe included
+    step_cache: Optional[str] = None   # the per-request step cache inside the run (EasyCache ...), by name
+    step_cache_skipped: int = 0   # steps it answered without a forward
 
     def summary(self) -> dict:
-        return {**self.decision.summary(), "model_calls": self.model_calls, "stored_as": self.entry_id,
-                "seconds": {k: round(v, 4) for k, v in self.seconds.items()}, "warnings": self.warnings}
+        return {**self.decision.summary(), "model_calls": self.model_calls, "steps_run": self.steps_run,
+                "step_cache": self.step_cache, "step_cache_skipped": self.step_cache_skipped,
+                "stored_as": self.entry_id, "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+                "warnings": self.warnings}
+
+
+def _calls(runner, observer: GenerationObserver) -> int:
+    return observer.forwards if getattr(runner, "counts_forwards", False) else observer.steps_run
 
 
 def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list:
@@ -144,7 +160,8 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     is found first and nothing runs: the result carries that generation's final latent (`repeat`)."""
     _validate_request(runner, noise, sigmas, config)
     started = time.perf_counter()
-    if store is not None:
+    uncacheable = getattr(runner, "uncacheable", "") or ""
+    if store is not None and not uncacheable:
         identity = identity or request_identity(runner, noise, sigmas)
         repeat = _repeated(store, identity)
         if repeat is not None:
@@ -156,7 +173,8 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     latent = runner.run(x, sigmas, 0, config.probe_steps, observer)
     bucket, key = identity or request_identity(runner, noise, sigmas)
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
-                       key, time.perf_counter() - started,
+                       key, time.perf_counter() - started, model_calls=_calls(runner, observer),
+                       uncacheable=uncacheable, model_text=getattr(runner, "model_text", "") or "",
                        bucket_parts=bucket_parts(runner.model_fingerprint, noise.shape, sigmas, runner.sampler))
 
 
@@ -194,11 +212,12 @@ def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]
         return None
 
 
-def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: CarnatorStore,
-              seconds: dict) -> GenerationResult:
+def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: CarnatorStore, seconds: dict,
+              probed: Optional[ProbeResult] = None) -> GenerationResult:
+    """The stored result; found after a probe, the probe's calls are what the request cost."""
     _record_hit(store, decision)
-    return GenerationResult(final.to(torch.float32), decision, decision.model_calls, None, seconds,
-                            store.drain_problems())
+    calls, steps = (probed.model_calls, decision.probe_steps) if probed is not None else (0, 0)
+    return GenerationResult(final.to(torch.float32), decision, calls, None, seconds, store.drain_problems(), steps)
 
 
 def _record_hit(store: CarnatorStore, decision: gate_module.Decision) -> None:
@@ -212,7 +231,7 @@ def _record_hit(store: CarnatorStore, decision: gate_module.Decision) -> None:
 def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) -> list:
     """Nearest entries of the probe's bucket; none for an exact repeat found before probing (it needs none), and
     none (a full generation, with a warning) when the store cannot be read."""
-    if probed.repeat is not None:
+    if probed.repeat is not None or probed.uncacheable:
         return []
     return _degraded(store, "the cache lookup",
                      lambda: nearest(store, probed.bucket, probed.signature, config.lookup_limit), [])
@@ -234,12 +253,16 @@ def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
     """The gate's decision, unless the request is a full generation's exact repeat (found before probing, or
     a candidate): then that generation's result. `bucket_reasons` (new_bucket_reasons) explain a miss for want of
     any candidate."""
+    if probed.uncacheable:
+        return gate_module.Decision(False, config.risk, probed.steps, probed.probe_steps, probed.probe_steps,
+                                    reasons=[probed.uncacheable])
     if probed.repeat is not None:
         return gate_module.exact_repeat(probed.repeat[0], probed.steps, config.risk)
     for candidate in candidates:
         if candidate.record.replays(probed.request_key):
             return gate_module.exact_repeat(candidate.record.entry_id, probed.steps, config.risk, probed.probe_steps)
-    decision = gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk)
+    decision = gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk,
+                                  probed.model_text)
     if not candidates and bucket_reasons:
         decision = dataclasses.replace(decision, reasons=decision.reasons + list(bucket_reasons))
     return decision
@@ -303,20 +326,33 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
     labels the entry in the cache browser (the model's file name; default: a short fingerprint)."""
     started = time.perf_counter()
     warnings = []
+    changed = getattr(runner, "changed_since_fingerprint", None)
+    why = changed() if changed is not None and probed.repeat is None else ""
+    if why:    # the probe's key no longer describes the model: no cached result for it, nothing stored from it
+        log.warning("carnator: %s", why)
+        probed = dataclasses.replace(probed, uncacheable=why)
+        if decision.reuse:
+            decision = _full_generation(decision, probed, why)
     if decision.exact_repeat:
         held = probed.repeat is not None and probed.repeat[0] == decision.entry_id
         final = probed.repeat[1] if held else _stored_final(store, decision.entry_id)
         if final is not None:
             device = probed.latent.device if probed.latent is not None else final.device
             return _replayed(final.to(device), decision, store,
-                             {"probe": probed.seconds, "replay": time.perf_counter() - started})
+                             {"probe": probed.seconds, "replay": time.perf_counter() - started}, probed)
         warnings.append(f"entry {decision.entry_id} could not be replayed: this request was generated in full")
         decision = _full_generation(decision, probed, warnings[-1])
     decision, latent, observer, connectivity = _continue(runner, probed, decision, store, config)
     seconds = {"probe": probed.seconds, "resume": time.perf_counter() - started}
     entry_id = None
+    cost = {"model_calls": probed.model_calls + _calls(runner, observer), "steps_run": probed.probe_steps +
+            observer.steps_run, "step_cache": getattr(runner, "step_cache", None),
+            "step_cache_skipped": observer.step_cache_skipped}
     written = time.perf_counter()
     try:
+        if probed.uncacheable:
+            raise StoreError("its model carries an option Carnator cannot fingerprint" if not why else
+                             "its model changed since the probe")
         entry_id = store.put(
             bucket=probed.bucket, prompt=prompt, seed=seed, steps=probed.steps, probe_steps=probed.probe_steps,
             signature=probed.signature,
@@ -324,24 +360,27 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
                                       final=None if decision.reuse else latent),
             latent_shape=probed.latent.shape, thumbnail=thumbnail_png(runner.preview(latent)),
             reused_from=decision.entry_id if decision.reuse else None,
-            extra={"decision": decision.summary(), "bucket": probed.bucket_parts,
+            extra={"decision": {**decision.summary(), **cost}, "bucket": probed.bucket_parts,
                    "model": model_name or runner.model_fingerprint[:12]},
             request_key=probed.request_key)
     except (StoreError, OSError) as error:  # the result is returned whatever the store does with it
         warnings.append(f"not stored: {error}")
-        log.warning("carnator: %s", warnings[-1])
+        if not probed.uncacheable:
+            log.warning("carnator: %s", warnings[-1])
     seconds["write_back"] = time.perf_counter() - written
-    return GenerationResult(latent, decision, probed.probe_steps + observer.model_calls, entry_id, seconds,
-                            warnings + store.drain_problems())
+    return GenerationResult(latent, decision, cost["model_calls"], entry_id, seconds,
+                            warnings + store.drain_problems(), cost["steps_run"], cost["step_cache"],
+                            cost["step_cache_skipped"])
 
 
 def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorStore, config: CarnatorConfig,
              prompt: str = "", seed: int = 0, model_name: str = "") -> GenerationResult:
     _validate_request(runner, noise, sigmas, config)
     identity = request_identity(runner, noise, sigmas)
-    replayed = replay(store, identity, len(sigmas) - 1, config, noise.device)
-    if replayed is not None:
-        return replayed
+    if not getattr(runner, "uncacheable", ""):
+        replayed = replay(store, identity, len(sigmas) - 1, config, noise.device)
+        if replayed is not None:
+            return replayed
     probed = probe(runner, noise, sigmas, config, identity)
     started = time.perf_counter()
     candidates = lookup(store, probed, config)

@@ -171,6 +171,17 @@ def to_json(summary: dict) -> str:
     return json.dumps(summary, default=str, sort_keys=True)
 
 
+def cost_text(summary: dict) -> str:
+    """Steps run and model calls counted at the diffusion model, with the step cache that ran inside."""
+    steps = summary.get("steps")
+    if "steps_run" not in summary:      # a decision, not yet run (the Compatibility Gate node)
+        return f"plans {summary.get('model_calls')} model steps of {steps}"
+    text = f"{summary['steps_run']} of {steps} steps run, {summary.get('model_calls')} model calls"
+    if summary.get("step_cache"):
+        text += f" ({summary['step_cache']} inside: skipped {summary.get('step_cache_skipped', 0)} steps)"
+    return text
+
+
 def summary_text(summary: dict) -> str:
     """The node's one-line verdict, then any warning (a store fault that made the request a full generation)."""
     warnings = "".join(f"\nwarning: {w}" for w in summary.get("warnings") or [])
@@ -179,19 +190,19 @@ def summary_text(summary: dict) -> str:
 
 def _verdict(summary: dict) -> str:
     steps, k = summary.get("steps"), summary.get("resume_step")
-    calls = summary.get("model_calls")
     risk = summary.get("risk")
     stored = f"; stored as {summary['stored_as']}" if summary.get("stored_as") else ""
+    cost = cost_text(summary)
     if summary.get("exact_repeat"):
         return (f"Carnator REPEAT: every input matches entry {summary.get('entry_id')}, a full generation; its "
-                f"stored result, {calls} model steps of {steps}")
+                f"stored result, {cost}")
     if summary.get("reuse"):
         return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}; "
-                f"{calls} model steps of {steps}, expected {summary.get('expected_speedup')}x{stored}")
+                f"{cost}, expected {summary.get('expected_speedup')}x{stored}")
     reasons = summary.get("reasons") or ["no decision"]
     over = [r for r in reasons if " over limit " in r or r.startswith("no ") or " differs in " in r]
     why = "; ".join([reasons[0]] + over[:2]) if over and over[0] != reasons[0] else reasons[0]
-    return f"Carnator MISS ({risk}): {why}; {calls} model steps of {steps}{stored}"
+    return f"Carnator MISS ({risk}): {why}; {cost}{stored}"
 
 
 def send_decision(unique_id, summary: dict) -> None:

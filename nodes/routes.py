@@ -125,7 +125,8 @@ def record_json(record) -> dict:
         "last_used": record.last_used,
         "reused_from": record.reused_from,
         "corrupt": record.corrupt,
-        "decision": {key: decision[key] for key in ("reuse", "risk", "resume_step", "model_calls",
+        "decision": {key: decision[key] for key in ("reuse", "risk", "resume_step", "model_calls", "steps",
+                                                    "steps_run", "step_cache", "step_cache_skipped",
                                                     "expected_speedup", "entry_id") if key in decision},
     })
 

@@ -25,14 +25,14 @@ import dataclasses
 import hashlib
 import logging
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
-from ..fingerprint import module_fingerprint
+from .model_key import host_version, model_key
+from .step_caches import StepCacheCarry, live_holder
 
 log = logging.getLogger("carnator.comfyui")
 
@@ -138,93 +138,27 @@ def backbone_for(model) -> HostBackbone:
 
 # ---- fingerprint ------------------------------------------------------------------------------
 
-_BASE_WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-class _LoadedWeights:
-    """The diffusion model's weights as loaded from disk. While a patched clone (a LoRA) is loaded, ComfyUI
-    patches the shared weights in place and keeps the originals in the patcher's `backup`: those are read
-    instead, so every clone of one model sees the same base weights."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def state_dict(self) -> dict:
-        backup = getattr(self.model, "backup", None) or {}
-        weights = self.model.model.diffusion_model.state_dict()
-        for name in weights:
-            saved = backup.get("diffusion_model." + name)
-            if saved is not None:
-                weights[name] = saved.weight
-        return weights
-
-
-def _digest(digest, value, depth: int = 0, whole: bool = False) -> None:
-    """Adds a deterministic summary of a patch's or a conditioning's data (tensors sampled, or whole where two
-    values must never be taken for one another, adapters by their weights)."""
+def _digest(digest, value, depth: int = 0) -> None:
+    """Adds the whole of a conditioning's data (tensors and options such as timestep ranges or masks): two
+    values must never be taken for one another."""
     if depth > 8:
         digest.update(b"<deep>")
     elif torch.is_tensor(value):
-        flat = value.detach().reshape(-1)
         digest.update(f"T{tuple(value.shape)}{value.dtype}".encode())
-        if flat.numel():
-            sample = flat if whole else flat[::max(1, flat.numel() // 4096)]
-            digest.update(sample.to("cpu", torch.float32).contiguous().numpy().tobytes())
+        if value.numel():
+            digest.update(value.detach().reshape(-1).to("cpu", torch.float32).contiguous().numpy().tobytes())
     elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         digest.update(repr(value).encode())
     elif isinstance(value, (list, tuple)):
         digest.update(f"[{len(value)}".encode())
         for item in value:
-            _digest(digest, item, depth + 1, whole)
+            _digest(digest, item, depth + 1)
     elif isinstance(value, dict):
         for key in sorted(value, key=str):
             digest.update(str(key).encode())
-            _digest(digest, value[key], depth + 1, whole)
-    elif hasattr(value, "weights"):  # comfy.weight_adapter adapters (LoRA, LoHa, LoKr, ...)
-        digest.update(type(value).__qualname__.encode())
-        _digest(digest, value.weights, depth + 1, whole)
+            _digest(digest, value[key], depth + 1)
     else:
         digest.update(getattr(value, "__qualname__", type(value).__qualname__).encode())
-
-
-def _patches_digest(patches: dict) -> str:
-    digest = hashlib.sha256()
-    for key in sorted(patches):
-        digest.update(str(key).encode())
-        for entry in patches[key]:
-            _digest(digest, entry)
-    return digest.hexdigest()
-
-
-def host_version() -> str:
-    try:
-        import comfyui_version
-        return str(comfyui_version.__version__)
-    except Exception:  # a ComfyUI checkout without the generated version file
-        return "unknown"
-
-
-def model_fingerprint(model, backbone: HostBackbone) -> str:
-    """Weights (sampled) + patches/LoRAs with strengths + object patches + dtype + host version."""
-    diffusion = model.model.diffusion_model
-    weights = _BASE_WEIGHTS.get(diffusion)
-    if weights is None:
-        weights = _BASE_WEIGHTS[diffusion] = module_fingerprint(_LoadedWeights(model))
-    base = model.model
-    parts = [weights, backbone.model_class, type(diffusion).__name__, backbone.layout.name,
-             str(backbone.layout.patch_size), str(model.model_dtype()), str(getattr(base, "manual_cast_dtype", None)),
-             type(base.latent_format).__name__, f"comfyui={host_version()}",
-             "patches=" + _patches_digest(model.patches)]
-    for name in sorted(model.object_patches):
-        value = model.object_patches[name]
-        simple = value is None or isinstance(value, (bool, int, float, str, torch.dtype))
-        parts.append(f"object:{name}={value!r}" if simple else f"object:{name}={type(value).__qualname__}")
-    for name in sorted(getattr(model, "weight_wrapper_patches", {}) or {}):
-        parts.append(f"weight_wrapper:{name}x{len(model.weight_wrapper_patches[name])}")
-    hooks = getattr(model, "hook_patches", None) or {}
-    if hooks:
-        parts.append("hooks=" + ",".join(sorted(_patches_digest(p) for p in hooks.values())))
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
 def conditioning_fingerprint(positive, negative, seed: int) -> str:
@@ -232,24 +166,8 @@ def conditioning_fingerprint(positive, negative, seed: int) -> str:
     timestep ranges or masks) and the seed, which stochastic samplers draw their step noise from."""
     digest = hashlib.sha256(f"seed={int(seed)}".encode())
     for conditioning in (positive, negative):
-        _digest(digest, conditioning, whole=True)
+        _digest(digest, conditioning)
     return digest.hexdigest()
-
-
-_GUIDANCE_OPTIONS = ("sampler_cfg_function", "sampler_pre_cfg_function", "sampler_post_cfg_function",
-                     "sampler_calc_cond_batch_function", "model_function_wrapper", "disable_cfg1_optimization")
-
-
-def _guidance_text(model_options: dict) -> str:
-    """Names of the guidance functions other nodes installed (CFG rescaling etc.): they shape the trajectory."""
-    names = []
-    for key in _GUIDANCE_OPTIONS:
-        value = model_options.get(key)
-        if not value:
-            continue
-        items = value if isinstance(value, (list, tuple)) else [value]
-        names.append(key + "=" + "+".join(getattr(f, "__qualname__", type(f).__qualname__) for f in items))
-    return ";".join(names)
 
 
 def _parameter_shapes(model) -> dict:
@@ -266,7 +184,7 @@ class _Run:
     """State of one run() call: which step the sampler is in and the observer it reports to."""
 
     def __init__(self, observer, layout: BackboneLayout, sigmas: torch.Tensor, start: int, end: int,
-                 total_steps: int, step_callback: Optional[StepCallback]):
+                 total_steps: int, step_callback: Optional[StepCallback], carry: StepCacheCarry, lane: str):
         self.observer = observer
         self.layout = layout
         self.sigmas = [float(s) for s in sigmas[start:end + 1]]
@@ -279,8 +197,24 @@ class _Run:
         self.denoised: dict = {}             # local step -> x0 from the sampler callback
         self.first_denoised: dict = {}       # local step -> x0 of its first evaluation (fallback)
         self.tokens: Optional[int] = None
+        self.carry = carry                   # the request's step cache state across its runs
+        self.lane = lane                     # which expert runs it: state never passes from one to the other
+        self.step_cache_start: Optional[int] = None   # the step cache's skip count at this run's start
+        self.step_cache_state: Optional[tuple] = None  # its state after the latest evaluation
 
-    # PREDICT_NOISE wrapper
+    # PREDICT_NOISE wrapper (the outermost: it sees every evaluation the sampler asks for, skipped or not)
+    def step_cache(self, model_options: dict, guider, evaluated: bool) -> None:
+        holder = live_holder(model_options)
+        if holder is None:
+            return
+        if not evaluated and self.step_cache_start is None:
+            records = getattr(self.observer, "signature", None) is not None
+            self.step_cache_start = self.carry.begin_run(holder, guider, (self.lane, self.start), records)
+        elif evaluated:
+            self.step_cache_state = self.carry.snapshot(holder, guider)
+            skipped = int(getattr(holder, "total_steps_skipped", 0) or 0) - (self.step_cache_start or 0)
+            self.observer.step_cache_skipped = skipped
+
     def before_evaluation(self, x: torch.Tensor, timestep: torch.Tensor) -> None:
         sigma = float(timestep.reshape(-1)[0])
         self.tokens = math.prod(self.layout.token_grid(x.shape))
@@ -318,7 +252,8 @@ class _Run:
         if denoised is not None:
             self.observer.step_end(self.start + local, x_next, denoised)
 
-    def finish(self, x_end: torch.Tensor) -> None:
+    def finish(self, x_end: torch.Tensor, end: int) -> None:
+        self.carry.end_run((self.lane, end), self.step_cache_state)
         self._end_step(x_end)
         self.denoised.clear()
         self.first_denoised.clear()
@@ -327,9 +262,20 @@ class _Run:
 def _predict_noise_wrapper(run: _Run):
     def wrapper(executor, *args, **kwargs):
         run.before_evaluation(args[0], args[1])
+        run.step_cache(args[2], executor.class_obj, evaluated=False)
         out = executor(*args, **kwargs)
+        run.step_cache(args[2], executor.class_obj, evaluated=True)
         run.after_evaluation(out)
         return out
+    return wrapper
+
+
+def _forward_counter(run: _Run):
+    """DIFFUSION_MODEL, innermost: one call per forward the diffusion model really runs (a cond/uncond batch
+    as ComfyUI runs it), after any step cache has decided to skip or not."""
+    def wrapper(executor, *args, **kwargs):
+        run.observer.forward()
+        return executor(*args, **kwargs)
     return wrapper
 
 
@@ -457,13 +403,18 @@ class ComfyRunner:
         self.seed = int(seed)
         self.step_callback = step_callback
         self.disable_pbar = disable_pbar
-        guidance = _guidance_text(model.model_options)
-        self.sampler = f"{sampler_name}/cfg={cfg:g}" + (f"/{guidance}" if guidance else "")
-        self.model_fingerprint = model_fingerprint(model, self.backbone)
+        self.sampler = f"{sampler_name}/cfg={cfg:g}"
+        self.counts_forwards = True                  # at the diffusion model (_forward_counter)
         self.request_fingerprint = conditioning_fingerprint(positive, negative, self.seed)
+        self.carry = StepCacheCarry()                # the step cache's state from one run of the request to the next
         self.low_noise_model, self.switch_step = None, None
         if low_noise_model is not None:
             self._add_low_noise_expert(low_noise_model, sampler_name, scheduler, steps, switch_step, boundary_sigma)
+        # the model key: the bucket and the repeat key; its text names the options in "why a new bucket"; an
+        # option it cannot read makes the request a plain generation (uncacheable names it)
+        self.model_fingerprint, self.model_text, self.uncacheable = self._key()
+        step_cache = model_key(model, self.backbone).step_cache
+        self.step_cache = step_cache.text() if step_cache else None
 
     def _add_low_noise_expert(self, low, sampler_name, scheduler, steps, switch_step, boundary_sigma) -> None:
         """Checks that `low` continues this model's trajectories (same architecture and size, same schedule) and
@@ -488,12 +439,20 @@ class ComfyRunner:
         from ..schedule import expert_switch_step
         self.switch_step = expert_switch_step(self.sigmas, switch_step, boundary_sigma)
         self.low_noise_model = low
-        low_fingerprint = model_fingerprint(low, low_backbone)
-        self.model_fingerprint = hashlib.sha256(
-            f"{self.model_fingerprint}|low_noise={low_fingerprint}|switch={self.switch_step}".encode()).hexdigest()[:24]
-        low_guidance = _guidance_text(low.model_options)
-        if low_guidance:
-            self.sampler += f"/low_noise:{low_guidance}"
+        self.low_backbone = low_backbone
+
+    def _key(self) -> tuple:
+        """(digest, text, why uncacheable) of everything on the model(s) that changes the outputs (model_key);
+        with two experts, both and the switch step."""
+        key = model_key(self.model, self.backbone)
+        digest, text, uncacheable = key.digest, key.text(), key.uncacheable()
+        if self.low_noise_model is not None:
+            low = model_key(self.low_noise_model, self.low_backbone)
+            digest = hashlib.sha256(f"{digest}|low_noise={low.digest}|switch={self.switch_step}".encode()
+                                    ).hexdigest()[:24]
+            text = "; ".join(filter(None, [text, low.text() and f"low-noise expert: {low.text()}"]))
+            uncacheable = uncacheable or low.uncacheable()
+        return digest, text, uncacheable
 
     def expert_for(self, step: int):
         """The model that runs `step`."""
@@ -529,6 +488,18 @@ class ComfyRunner:
 
     # ---- Runner contract ----
 
+    def changed_since_fingerprint(self) -> str:
+        """Why the MODEL no longer matches the key this runner took of it ("" when it does): a node edited it in
+        place between the probe and the resume, or one of its options changes while it runs."""
+        digest, text, _ = self._key()
+        if digest == self.model_fingerprint:
+            return ""
+        return ("the MODEL changed between the probe and the resume (now: "
+                f"{text or 'no options'}; at the probe: {self.model_text or 'no options'}): this request is "
+                "finished from its own probe without the cache, and not stored. An option that changes while it "
+                "runs (a closure over a counter or a cache) cannot be fingerprinted: its node can declare a "
+                "`carnator_fingerprint`")
+
     def with_step_callback(self, step_callback: Optional[StepCallback]) -> "ComfyRunner":
         clone = object.__new__(ComfyRunner)
         clone.__dict__.update(self.__dict__)
@@ -536,7 +507,7 @@ class ComfyRunner:
         return clone
 
     def _patched_clone(self, source, run: _Run):
-        from comfy.patcher_extension import WrappersMP
+        from comfy.patcher_extension import WrappersMP, add_wrapper_with_key
         model = source.clone()
         replaced = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
         for index, (kind, number) in enumerate(self.backbone.block_keys):
@@ -545,7 +516,12 @@ class ComfyRunner:
         options = model.model_options.setdefault("transformer_options", {})
         options["optimized_attention_override"] = _attention_override(
             run, options.get("optimized_attention_override"), self.backbone.joint_text)
-        model.add_wrapper_with_key(WrappersMP.PREDICT_NOISE, HOOK_KEY, _predict_noise_wrapper(run))
+        # first among the patcher's wrappers (which run outside model_options' own): outermost
+        model.wrappers[WrappersMP.PREDICT_NOISE] = {HOOK_KEY: [_predict_noise_wrapper(run)],
+                                                    **model.wrappers.get(WrappersMP.PREDICT_NOISE, {})}
+        # last among model_options' wrappers: innermost, so a step cache's skipped forwards are not counted
+        add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, HOOK_KEY, _forward_counter(run), model.model_options,
+                             is_model_options=True)
         return model
 
     def run(self, x: torch.Tensor, sigmas: torch.Tensor, start: int, end: int, observer) -> torch.Tensor:
@@ -564,13 +540,15 @@ class ComfyRunner:
         return self._run(self.expert_for(start), x, sigmas, start, end, observer)
 
     def _run(self, source, x: torch.Tensor, sigmas: torch.Tensor, start: int, end: int, observer) -> torch.Tensor:
+        import comfy.model_management
         import comfy.sample
         import comfy.samplers
         steps = len(sigmas) - 1
         schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
         # a copy: some host samplers write into the sigmas they are given (uni_pc sets the last one to 0.001)
         sub = schedule[start:end + 1].clone()
-        run = _Run(observer, self.layout, schedule, start, end, steps, self.step_callback)
+        run = _Run(observer, self.layout, schedule, start, end, steps, self.step_callback, self.carry,
+                   "low" if source is not self.model else "high")
         model = self._patched_clone(source, run)
         x = x.detach().to("cpu", torch.float32)
         sigma0 = float(sub[0])
@@ -581,12 +559,19 @@ class ComfyRunner:
         else:
             noise, latent = torch.zeros_like(x), self.to_latent_format(x / (1.0 - sigma0)).cpu()
         sampler = comfy.samplers.sampler_object(self.sampler_name)
-        with torch.no_grad():
-            out = comfy.sample.sample_custom(model, noise, self.cfg, sampler, sub, self.positive, self.negative,
-                                             latent, callback=run.callback, disable_pbar=self.disable_pbar,
-                                             seed=self.seed)
+        try:
+            with torch.no_grad():
+                out = comfy.sample.sample_custom(model, noise, self.cfg, sampler, sub, self.positive, self.negative,
+                                                 latent, callback=run.callback, disable_pbar=self.disable_pbar,
+                                                 seed=self.seed)
+        except Exception as error:   # say where: another node's wrapper or patch raises inside the sampler
+            if isinstance(error, (comfy.model_management.InterruptProcessingException, torch.OutOfMemoryError)):
+                raise                # ComfyUI handles a cancel and an OOM itself
+            raise RuntimeError(f"Carnator: sampling steps [{start}, {end}) failed inside ComfyUI's sampler "
+                               f"({type(error).__name__}: {error}); the model carries: "
+                               f"{self.model_text or 'no patches or wrappers'}. Nothing was stored") from error
         x_end = self.from_latent_format(out.to("cpu")) * (1.0 - float(schedule[end]))
-        run.finish(x_end)
+        run.finish(x_end, end)
         return x_end
 
     def preview(self, latent: torch.Tensor) -> torch.Tensor:
@@ -606,5 +591,5 @@ class ComfyRunner:
         return (rgb / rgb.abs().amax().clamp_min(1e-6)).clamp(-1, 1)
 
 
-__all__ = ["ComfyRunner", "UnsupportedModelError", "ExpertMismatchError", "HostBackbone", "backbone_for", "model_fingerprint",
-           "conditioning_fingerprint", "host_version", "HOOK_KEY", "SUPPORTED_TEXT"]
+__all__ = ["ComfyRunner", "UnsupportedModelError", "HostBackbone", "backbone_for", "conditioning_fingerprint",
+           "host_version", "HOOK_KEY", "SUPPORTED_TEXT"]

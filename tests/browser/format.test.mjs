@@ -67,6 +67,16 @@ test("decision badge and lines", () => {
   assert.equal(decisionLines(repeat)[0], "REPEAT: the stored result of entry 0123456789abcdef, a full generation of the same inputs");
   assert.ok(decisionLines(repeat).includes("probe 0 steps · 0 model calls"));
   assert.equal(decisionBadge({ ...repeat, probe_steps: 3, model_calls: 3 }).text, "REPEAT · 3 model calls");
+  // after the run: steps next to model calls counted at the diffusion model, and the step cache inside
+  const ran = { ...miss, steps: 10, steps_run: 10, model_calls: 5, step_cache: "EasyCache reuse_threshold=3, start_percent=0.15",
+    step_cache_skipped: 5 };
+  assert.equal(decisionBadge(ran).text, "MISS · 10 steps · 5 calls · EasyCache");
+  assert.ok(decisionLines(ran).includes(
+    "probe 3 steps · 10 of 10 steps run · 5 model calls · EasyCache reuse_threshold=3, start_percent=0.15 inside (skipped 5) · expected 1.00×"));
+  assert.equal(decisionBadge({ ...hit, steps_run: 21, model_calls: 21 }).text, "HIT k=12/30 · 1.43× · 21 calls");
+  const made = { model: "", bucket: "0123456789abcdef", steps: 30, size_bytes: 0, hits: 0, steps_saved: 0, created: 0,
+    decision: { steps: 30, steps_run: 30, model_calls: 18, step_cache: "EasyCache x", step_cache_skipped: 12 } };
+  assert.equal(entryLines(made, 0)[2], "made with 30 of 30 steps run · 18 model calls · EasyCache x inside (skipped 12)");
   assert.equal(decisionBadge(null).text, "");
   assert.equal(decisionBadge({ error: "boom" }).text, "Carnator: error");
   assert.equal(formatSpeedup(12.345), "12.3×");

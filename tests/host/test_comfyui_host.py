@@ -269,7 +269,8 @@ def test_model_patch_changes_the_bucket(comfy, plugin, tiny_model, counted, cond
     nearest = f"the nearest cached generation, entry {miss['stored_as']}, differs in "
     _, summary = sample(comfy, patched, cache, positive, negative, latent)
     assert not summary["reuse"]
-    assert summary["reasons"] == [fresh, nearest + "model/patches (weights, LoRAs or their strengths)"]
+    assert summary["reasons"] == [fresh + " (this model: weight patches on 1 weights (LoRA-style))",
+                                  nearest + "model/patches (weights, LoRAs or their strengths)"]
 
     half = counted.model.clone()
     half.add_patches({key: ("diff", (delta,))}, 0.5)

@@ -35,6 +35,13 @@ def test_workflow_core_nodes_exist_in_the_host(comfy, plugin, workflow):
                 "CarnatorSampler", "VAELoader", "VAEDecode", "SaveAnimatedWEBP"]
     assert set(expected) <= {n["type"] for n in workflow["nodes"]}
     assert [n for n in workflow["nodes"] if n["type"] == "CLIPLoader"][0]["widgets_values"][1] == "wan"
+    # the optional step cache: ComfyUI's EasyCache between the model and the sampler, bypassed (mode 4) by default
+    easy = [n for n in workflow["nodes"] if n["type"] == "EasyCache"]
+    assert len(easy) == 1 and easy[0]["mode"] == 4
+    links = {link[0]: link for link in workflow["links"]}
+    sampler = [n for n in workflow["nodes"] if n["type"] == "CarnatorSampler"][0]
+    assert links[sampler["inputs"][0]["link"]][1] == easy[0]["id"]
+    assert [n["type"] for n in workflow["nodes"] if n["id"] == links[easy[0]["inputs"][0]["link"]][1]] == ["UNETLoader"]
     problems = check_workflow(workflow, classes, check_combos=lambda node_type, name: name not in MODEL_FILES)
     assert problems == []
 

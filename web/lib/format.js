@@ -68,7 +68,25 @@ export function entryLines(entry, nowMs = Date.now()) {
       ? ` at step ${entry.decision.resume_step}` : "";
     lines.push(`resumed from entry ${String(entry.reused_from).slice(0, 8)}${step}`);
   }
+  const made = entry.decision ? costText(entry.decision) : "";
+  if (made) lines.push(`made with ${made}`);
   return lines;
+}
+
+/** Steps run and model calls counted at the diffusion model, and the step cache that ran inside (EasyCache);
+ * empty for a decision not yet run (the Compatibility Gate's). */
+export function costText(decision) {
+  if (!Number.isFinite(Number(decision.steps_run))) return "";
+  const calls = Number(decision.model_calls);
+  let text = `${decision.steps_run} of ${decision.steps} steps run · ${calls} model ${calls === 1 ? "call" : "calls"}`;
+  if (decision.step_cache) text += ` · ${decision.step_cache} inside (skipped ${decision.step_cache_skipped || 0})`;
+  return text;
+}
+
+function badgeCalls(decision) {
+  if (!Number.isFinite(Number(decision.steps_run))) return "";
+  const cache = decision.step_cache ? ` · ${String(decision.step_cache).split(" ")[0]}` : "";
+  return ` · ${decision.model_calls} calls${cache}`;
 }
 
 /** The badge on a Carnator node: short, read at a glance. */
@@ -82,12 +100,13 @@ export function decisionBadge(decision) {
   }
   if (decision.reuse) {
     return {
-      text: `HIT k=${decision.resume_step}/${steps} · ${formatSpeedup(decision.expected_speedup)}`,
+      text: `HIT k=${decision.resume_step}/${steps} · ${formatSpeedup(decision.expected_speedup)}${badgeCalls(decision)}`,
       fg: "#ffffff",
       bg: "#2e7d32",
     };
   }
-  return { text: `MISS · ${Number.isFinite(steps) ? steps : "?"} steps`, fg: "#ffffff", bg: "#5f6368" };
+  return { text: `MISS · ${Number.isFinite(steps) ? steps : "?"} steps${badgeCalls(decision)}`, fg: "#ffffff",
+    bg: "#5f6368" };
 }
 
 // What a node keeps of its last decision (in its properties, saved with the workflow, so that the display
@@ -115,7 +134,8 @@ export function decisionLines(decision) {
   } else {
     lines.push(`MISS: full run of ${decision.steps} steps${risk}`);
   }
-  const calls = Number.isFinite(Number(decision.model_calls)) ? `${decision.model_calls} model calls` : "";
+  const calls = costText(decision)
+    || (Number.isFinite(Number(decision.model_calls)) ? `${decision.model_calls} model calls` : "");
   const probe = Number.isFinite(Number(decision.probe_steps)) ? `probe ${decision.probe_steps} steps` : "";
   const speedup = decision.exact_repeat ? "" : `expected ${formatSpeedup(decision.expected_speedup)}`;
   lines.push([probe, calls, speedup].filter(Boolean).join(" · "));

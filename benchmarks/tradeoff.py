@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Accuracy against model calls saved, per method: what a user would pick instead of Carnator (fewer steps, a
+step-skipping cache) and Carnator on top of each. Reads quality.py JSON files (several are pooled, request-weighted,
+with the paired change of requests read all six right against no reuse and its 95 % interval, quality_suite.pool);
+writes a markdown
+table and a PNG plot (one panel per request set: the iteration stream and the adversarial pairs).
+
+    python benchmarks/tradeoff.py benchmarks/results/quality/quality_per_request_small_cpu.json \\
+        --png benchmarks/results/quality/tradeoff_small_cpu.png --md benchmarks/results/quality/tradeoff_small_cpu.md
+    python benchmarks/tradeoff.py benchmarks/results/quality/quality_pooled*_per_request*.json --png ... --md ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from quality_suite import label, pool  # noqa: E402
+
+KINDS = (("iteration_stream", "iteration stream"), ("adversarial_pairs", "adversarial pairs"))
+
+
+def pooled(paths: list) -> dict:
+    """kind -> method -> pooled summary over the files (each file one request set)."""
+    results = []
+    for path in paths:
+        with open(path) as handle:
+            results.append(json.load(handle)["results"])
+    return {kind: {method: pool([r[kind][method] for r in results if method in r[kind]])
+                   for method in results[0][kind]} for kind, _ in KINDS}
+
+
+def table(totals: dict, sets: int) -> str:
+    lines = [f"| requests | method | calls saved | attr acc (no reuse) | change (95 % interval) | made wrong / right |",
+             "| --- " * 6 + "|"]
+    for kind, title in KINDS:
+        rows = totals[kind]
+        base = rows["no_reuse"]["attribute_accuracy"]
+        for method, s in sorted(rows.items(), key=lambda item: item[1]["model_calls_saved"]):
+            change = (f"{s['change'] * 100:+.1f} ({s['change_low'] * 100:+.1f} to {s['change_high'] * 100:+.1f}) pts"
+                      if method != "no_reuse" else "")
+            lines.append(f"| {title} ({s['requests']}, {sets} set{'s' if sets > 1 else ''}) | {label(method)} | "
+                         f"{s['model_calls_saved']:.0%} | {s['attribute_accuracy']:.1%} ({base:.1%}) | {change} | "
+                         f"{s['made_wrong']} / {s['made_right']} |")
+    return "\n".join(lines)
+
+
+def plot(totals: dict, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(1, len(KINDS), figsize=(12, 5), sharey=True)
+    for axis, (kind, name) in zip(axes, KINDS):
+        for method, s in totals[kind].items():
+            on_top = "+" in method
+            marker = "o" if method.startswith("carnator") else "s"
+            axis.errorbar(100 * s["model_calls_saved"], 100 * s["change"],
+                          yerr=[[100 * (s["change"] - s["change_low"])], [100 * (s["change_high"] - s["change"])]],
+                          fmt=marker, color="tab:green" if on_top else "tab:blue" if marker == "o" else "tab:gray",
+                          capsize=3)
+            axis.annotate(label(method), (100 * s["model_calls_saved"], 100 * s["change"]), fontsize=7,
+                          xytext=(4, 4), textcoords="offset points")
+        axis.axhline(0, color="black", linewidth=0.5)
+        axis.axhline(-1, color="tab:red", linewidth=0.5, linestyle="--")
+        axis.set_xlabel("model calls saved (%)")
+        axis.set_title(name)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("requests all six right, change vs no reuse (points, 95 % interval)")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="quality.py JSON files, pooled together")
+    parser.add_argument("--png", help="plot to write")
+    parser.add_argument("--md", help="markdown table to write")
+    args = parser.parse_args(argv)
+    totals = pooled(args.results)
+    text = table(totals, len(args.results))
+    print(text)
+    if args.md:
+        with open(args.md, "w") as handle:
+            handle.write(text + "\n")
+    if args.png:
+        names = ", ".join(os.path.basename(p) for p in args.results[:3]) + (" ..." if len(args.results) > 3 else "")
+        plot(totals, args.png, f"Evaluation world: accuracy vs calls saved ({names})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

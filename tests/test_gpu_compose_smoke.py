@@ -1,0 +1,34 @@
+"""CPU smoke run of benchmarks/gpu_compose.py (gpu_speed's smoke preset, cfg 1 only, one EasyCache threshold):
+the script's plumbing and the composition it reports (a Carnator miss with EasyCache equals EasyCache alone,
+with the same model calls), not speed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_gpu_speed_smoke import ROOT, TIME_LIMIT_S, _skip_reason
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_compose.py")
+
+
+def test_gpu_compose_smoke(tmp_path):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "compose.json"
+    completed = subprocess.run([sys.executable, SCRIPT, "--smoke", "--skip-cfg5", "--easycache-thresholds", "0.1",
+                                "--device", "cpu", "--out", str(out), "--store-dir", str(tmp_path)],
+                               capture_output=True, text=True, timeout=TIME_LIMIT_S)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(out.read_text())
+    cases = report["cases"]
+    assert set(cases) == {"plain", "easycache", "miss", "hit", "miss+easycache", "hit+easycache"}
+    assert cases["miss+easycache"]["rel_l2_vs_easycache"] < 1e-4
+    assert cases["miss+easycache"]["model_calls"] == cases["easycache"]["model_calls"] < cases["plain"]["model_calls"]
+    assert cases["miss"]["rel_l2_vs_plain"] < 1e-4
+    assert cases["hit"]["model_calls"] < cases["plain"]["model_calls"]
+    assert "| hit+easycache" in completed.stdout
