@@ -18,14 +18,17 @@ WEB_DIRECTORY = "./web"
 # pytest imports this file as a plain top-level module (no parent package) when the checkout's folder
 # name is not a Python identifier; there is no plugin to register then.
 if __package__:
-    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
-
     try:
         from .nodes import routes  # noqa: F401,E402  (the cache browser's HTTP routes)
-    except ModuleNotFoundError as error:
-        if not (error.name or "").endswith("nodes.routes"):
-            logging.getLogger("carnator").warning("carnator: web routes not loaded: %s", error)
     except Exception as error:  # the nodes work without the browser: never block them on it
         logging.getLogger("carnator").warning("carnator: web routes not loaded: %s", error)
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+
+def comfy_entrypoint():
+    """ComfyUI's entry point for nodes on its versioned (V3) API: the loader asks the extension for its nodes.
+    The node module is imported here, not at import time, so that the package imports without ComfyUI's API."""
+    from .nodes.carnator_nodes import CarnatorExtension
+    return CarnatorExtension()
+
+
+__all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]

@@ -9,13 +9,12 @@ over all candidates (a miss if none): an upper bound for every gate built on the
 must choose before it sees the result. The store holds each request's full generation (the best entry a
 session could leave behind).
 
-    python benchmarks/gate_ceiling.py --stream 60 --out benchmarks/results/gate_ceiling.json
+    python benchmarks/gate_ceiling.py --stream 60 --out benchmarks/results/quality/gate_ceiling.json
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import platform
 import sys
@@ -35,6 +34,9 @@ from carnator_engine.observer import GenerationObserver  # noqa: E402
 from carnator_engine.pipeline import CarnatorConfig, follow_entry, lookup, probe, resume  # noqa: E402
 from carnator_engine.schedule import denoised_from_velocity, flow_sigmas  # noqa: E402
 from carnator_engine.store import CarnatorStore  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reports  # noqa: E402  (the summary JSON, the per-request rows gzipped beside it)
 
 
 # what a gate sees (its inputs) and one thing it could see after the hit's first model call
@@ -164,9 +166,7 @@ def main(argv=None) -> int:
                                               for k, v in sorted(per_edit.items())},
                "reference_accuracy": reference_accuracy, "nearest_entry_at_fixed_step": fixed_step}
     machine = f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump({"machine": machine, "args": vars(args), "summary": summary, "rows": rows}, handle, indent=1)
+    reports.write(args.out, {"machine": machine, "args": vars(args), "summary": summary, "rows": rows})
 
     seeds = "one seed per session" if args.fixed_seed else "a fresh seed per request"
     print(f"\nGate ceiling ({len(rows)} requests, {args.steps} steps, probe {args.probe_steps}, {seeds}; {machine})")

@@ -21,7 +21,7 @@ reversed, colour swapped; same seed). Per method: hit rate, model calls saved, P
 the same request without reuse, attribute accuracy (read back from pixels) and wrong accepts
 (a reused generation that gets wrong an attribute the full generation got right).
 
-    python benchmarks/quality.py --out benchmarks/results/quality.json
+    python benchmarks/quality.py --out benchmarks/results/quality/quality.json   # + quality.rows.json.gz
 """
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ from carnator_engine.pipeline import CarnatorConfig, generate  # noqa: E402
 from carnator_engine.schedule import flow_sigmas, jump  # noqa: E402
 from carnator_engine.store import CarnatorStore  # noqa: E402
 from step_skipping import StepSkippingRunner  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reports  # noqa: E402  (the summary JSON, the per-request rows gzipped beside it)
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -374,9 +377,7 @@ def main(argv=None) -> int:
         machine = f"{torch.cuda.get_device_name(model.frame_pos.device)}, {machine}"
     report = {"machine": machine, "args": vars(args), "results": results,
               "rows": {m: {"stream": s, "pairs": p} for m, (s, p) in rows_by_method.items()}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(report, handle, indent=1, default=str)
+    reports.write(args.out, report)
 
     seeds = "one seed per session" if args.fixed_seed else "a fresh seed per request"
     print(f"\nQuality in the evaluation world ({args.steps} steps, probe {args.probe_steps}, risk {args.risk}, "

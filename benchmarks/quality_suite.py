@@ -1,5 +1,6 @@
 """Every quality run that benchmarks/RESULTS.md reports, in parallel: `quality.py` once per configuration
-and seed habit, writing benchmarks/results/quality_<name>[_fixed_seed].json (or --out-dir).
+and seed habit, writing benchmarks/results/quality/quality_<name>[_fixed_seed].json (or --out-dir), each with its
+per-request rows gzipped beside it (.rows.json.gz, benchmarks/reports.py).
 
 Two request sets: the main one (60 stream requests, 16 adversarial pairs, seed 0) and a replication on new
 requests (120 and 48, seed 1) that checks what the main set suggests. The first run of each set (`balanced`,
@@ -298,7 +299,7 @@ def ceiling_table(out_dir: str) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--out-dir", default=os.path.join(HERE, "results", "quality"))
     parser.add_argument("--reference-dir", default=os.path.join(HERE, "out"),
                         help="where the no-reuse generations are kept between runs (quality.py --reference-cache), "
                              "with each run's log")

@@ -14,6 +14,8 @@ import tempfile
 import time
 
 from .demo import DEMO_GUIDANCE, DEMO_STEPS
+from .gate import RISK_LEVELS
+from .store import DEFAULT_SIZE_LIMIT
 
 DEMO_SESSION = [
     ("first request: cold cache", {"color": "red", "shape": "circle", "direction": "right", "background": "black",
@@ -41,6 +43,22 @@ def _positive_int(text: str) -> int:
 def _open_store(path: str, size_limit_mb: int):
     from .store import CarnatorStore
     return CarnatorStore(path, size_limit_mb << 20)
+
+
+def demo_legend(steps: int, probe_steps: int, attributes: int, names: str) -> str:
+    """What the demo table's columns mean (printed under it)."""
+    return "\n".join([
+        f"k: the step this request's trajectory continued from. miss: its own probe's end (k = probe steps = "
+        f"{probe_steps}), then every step to {steps}; HIT: a cached trajectory's step k, after the {probe_steps} "
+        f"probe steps (calls = {probe_steps} + {steps} - k, one more when the gate re-estimates the region that "
+        f"differs); repeat: k = {steps}, the stored result of an earlier "
+        "full generation of exactly this request, no step run.",
+        f"calls: model calls (denoising steps run) of the {steps} a plain sampler would run.",
+        f"attributes: how many of the prompt's {attributes} attributes ({names}) the generated clip shows, as read "
+        f"back from its pixels ({attributes}/{attributes}: all of them).",
+        "sec: wall time. The first request also pays one-time start-up costs (PyTorch's first calls, the empty "
+        "cache's creation), so compare the later misses with each other.",
+    ])
 
 
 def run_demo(args) -> int:
@@ -88,6 +106,7 @@ def run_demo(args) -> int:
     total = sum(r["model_calls"] for r in rows)
     print(f"model calls: {total} of {args.steps * len(rows)} "
           f"({100 * (1 - total / (args.steps * len(rows))):.0f}% saved)")
+    print(demo_legend(args.steps, args.probe_steps, len(world.ATTRIBUTES), ", ".join(world.ATTRIBUTES)))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"rows": rows, "store": store.stats()}, handle, indent=2)
@@ -95,37 +114,81 @@ def run_demo(args) -> int:
     return 0
 
 
+def _existing_store(path: str, size_limit_mb: int):
+    """The cache at `path`, or None (after saying so) when there is none: nothing is created."""
+    from .backends import holds_store
+    if not holds_store(path):
+        print(f"no Carnator cache at {path} (nothing created): pass --cache the folder of an existing cache",
+              file=sys.stderr)
+        return None
+    return _open_store(path, size_limit_mb)
+
+
 def run_stats(args) -> int:
-    store = _open_store(args.cache, args.size_limit_mb)
+    store = _existing_store(args.cache, args.size_limit_mb)
+    if store is None:
+        return 1
     print(json.dumps({**store.stats(), "problems": store.drain_problems()}, indent=2))
+    store.close()
     return 0
+
+
+def _confirmed(question: str) -> bool:
+    if not sys.stdin.isatty():
+        return False
+    try:
+        return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
 
 
 def run_clear(args) -> int:
-    store = _open_store(args.cache, args.size_limit_mb)
+    store = _existing_store(args.cache, args.size_limit_mb)
+    if store is None:
+        return 1
+    count = store.stats()["entries"]
+    if not args.yes and not _confirmed(f"delete all {count} entries of the cache at {store.location}?"):
+        print("nothing deleted: confirm at the prompt, or pass --yes", file=sys.stderr)
+        store.close()
+        return 1
     print(f"removed {store.clear()} entries from {store.location}")
+    store.close()
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m carnator_engine", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="replay a short iteration session on the embedded demo model")
     demo.add_argument("--cache", default="", help="cache directory or redis:// URL (default: a fresh temporary "
                                                   "directory)")
     demo.add_argument("--weights", default="", help="tiny DiT checkpoint (default: the embedded demo model)")
-    demo.add_argument("--steps", type=_positive_int, default=DEMO_STEPS)
-    demo.add_argument("--probe-steps", type=_positive_int, default=3)
-    demo.add_argument("--risk", choices=("safe", "balanced", "aggressive"), default="balanced")
-    demo.add_argument("--guidance", type=float, default=DEMO_GUIDANCE)
+    demo.add_argument("--steps", type=_positive_int, default=DEMO_STEPS,
+                      help=f"denoising steps N of each request (default {DEMO_STEPS})")
+    demo.add_argument("--probe-steps", type=_positive_int, default=3,
+                      help="steps run before the cache is consulted, the Early Signature's (default 3)")
+    demo.add_argument("--risk", choices=RISK_LEVELS, default="balanced",
+                      help="the gate's risk level: safe reuses only close matches and resumes early, aggressive "
+                           "reuses more and resumes later (default balanced)")
+    demo.add_argument("--guidance", type=float, default=DEMO_GUIDANCE,
+                      help=f"classifier-free guidance scale (default {DEMO_GUIDANCE:g}, what the demo model was "
+                           "trained for)")
     demo.add_argument("--json", default="", help="also write the results to this JSON file")
-    for sub in (demo, commands.add_parser("stats", help="print a cache's statistics"),
-                commands.add_parser("clear", help="delete every entry of a cache")):
-        if sub is not demo:
-            sub.add_argument("--cache", required=True, help="cache directory, or redis://[:password@]host:port/db "
-                                                            "(the password may come from CARNATOR_REDIS_PASSWORD)")
-        sub.add_argument("--size-limit-mb", type=_positive_int, default=4096)
-    args = parser.parse_args(argv)
+    stats = commands.add_parser("stats", help="print a cache's statistics (creates nothing)")
+    clear = commands.add_parser("clear", help="delete every entry of a cache (asks first, unless --yes)")
+    clear.add_argument("--yes", action="store_true", help="delete without asking")
+    for sub in (stats, clear):
+        sub.add_argument("--cache", required=True, help="the cache's directory, or redis://[:password@]host:port/db "
+                                                        "(the password may come from CARNATOR_REDIS_PASSWORD)")
+    for sub in (demo, stats, clear):
+        sub.add_argument("--size-limit-mb", type=_positive_int, default=DEFAULT_SIZE_LIMIT >> 20,
+                         help=f"cache size limit in MiB; least useful entries are evicted beyond it "
+                              f"(default {DEFAULT_SIZE_LIMIT >> 20}, as on the Carnator Cache node)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return {"demo": run_demo, "stats": run_stats, "clear": run_clear}[args.command](args)
     except (ValueError, RuntimeError) as error:

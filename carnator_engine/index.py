@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .signature import EarlySignature, SignatureDistance, signature_distance
+from .signature import EarlySignature, SignatureDistance, shortlist_scores, signature_distance
 from .schedule import schedule_fingerprint
 from .store import CarnatorStore, EntryRecord, StoreError
 
@@ -37,22 +37,70 @@ def bucket_key(model_fingerprint: str, latent_shape, sigmas, sampler: str) -> st
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def rank_score(distance: SignatureDistance) -> float:
-    """Order candidates by how much of the clip they could share, then by model-level agreement; a NaN
-    distance (a broken signature) ranks last."""
-    score = distance.denoised + distance.hidden + 0.5 * distance.attention
+# A bucket's parts, as a newcomer would name them (bucket_difference).
+BUCKET_PARTS = {"model": "model/patches (weights, LoRAs or their strengths)", "shape": "latent shape (size or length)",
+                "steps": "steps", "schedule": "scheduler (sigma schedule)", "sampler": "sampler",
+                "cfg": "cfg/guidance"}
+
+
+def bucket_parts(model_fingerprint: str, latent_shape, sigmas, sampler: str) -> dict:
+    """The inputs of bucket_key, readable. Kept with each entry, so that a request finding no entry of its own bucket
+    can be told which part differs from the nearest entry's. `sampler` is the runner's text "name/cfg=...[/...]"."""
+    name, _, guidance = sampler.partition("/")
+    return {"model": model_fingerprint, "shape": "x".join(str(int(d)) for d in latent_shape),
+            "steps": len(sigmas) - 1, "schedule": schedule_fingerprint(sigmas), "sampler": name, "cfg": guidance}
+
+
+def bucket_difference(store: CarnatorStore, parts: dict) -> str:
+    """Why a request found no entry of its bucket: what the nearest other entry differs in (fewest parts), or that the
+    cache is empty. Entries stored before their parts were kept are left out."""
+    records = store.records()
+    if not records:
+        return "the cache holds no generation yet"
+    best = None
+    for record in records:
+        theirs = record.extra.get("bucket") if isinstance(record.extra, dict) else None
+        if not isinstance(theirs, dict):
+            continue
+        differ = [name for name in BUCKET_PARTS if theirs.get(name) != parts.get(name)]
+        if "steps" in differ and "schedule" in differ:
+            differ.remove("schedule")      # another step count is another schedule: say the cause only
+        if differ and (best is None or len(differ) < len(best[1])):
+            best = (record, differ, theirs)
+    if best is None:
+        return f"none of the cache's {len(records)} entries records its bucket's parts"
+    record, differ, theirs = best
+    shown = [BUCKET_PARTS[name] if name in ("model", "schedule")
+             else f"{BUCKET_PARTS[name]} ({parts.get(name) or 'none'} here, {theirs.get(name) or 'none'} there)"
+             for name in differ]
+    return f"the nearest cached generation, entry {record.entry_id}, differs in {', '.join(shown)}"
+
+
+def _finite(score: float) -> float:
     return score if math.isfinite(score) else math.inf
 
 
-def _candidate(store: CarnatorStore, entry_id: str, signature: EarlySignature) -> Optional[Candidate]:
+def rank_score(distance: SignatureDistance) -> float:
+    """Order candidates by how much of the clip they could share, then by model-level agreement; a NaN
+    distance (a broken signature) ranks last."""
+    return _finite(distance.denoised + distance.hidden + 0.5 * distance.attention)
+
+
+def _signature(store: CarnatorStore, entry_id: str, query: EarlySignature) -> Optional[EarlySignature]:
     try:
-        record = store.record(entry_id)
-        cached = store.signature(record)
+        cached = store.signature_of(entry_id)
     except StoreError:  # gone meanwhile, or corrupt (reported by the store)
         return None
-    if not cached.compatible_with(signature):
+    return cached if cached.compatible_with(query) else None
+
+
+def _candidate(store: CarnatorStore, entry_id: str, cached: EarlySignature,
+               query: EarlySignature) -> Optional[Candidate]:
+    try:
+        record = store.record(entry_id)
+    except StoreError:
         return None
-    return Candidate(record, cached, signature_distance(signature, cached))
+    return Candidate(record, cached, signature_distance(query, cached)) if record.corrupt is None else None
 
 
 def nearest(store: CarnatorStore, bucket: str, signature: EarlySignature, limit: int = 3) -> list:
@@ -63,16 +111,22 @@ def nearest(store: CarnatorStore, bucket: str, signature: EarlySignature, limit:
     except ValueError as error:   # a non-finite signature: nothing can be compared with it
         store.report_problem(f"no lookup: {error}")
         return []
-    exact = {c.record.entry_id: c for c in (_candidate(store, e, signature) for e in shortlist) if c is not None}
-    ranked = sorted(exact.values(), key=lambda c: rank_score(c.distance))
+    cached = {e: s for e, s in ((e, _signature(store, e, signature)) for e in shortlist) if s is not None}
+    lineages = {e: store.lineage_of(e) for e in cached}
+    scores = dict(zip(cached, shortlist_scores(signature, list(cached.values()))))
+    ranked = sorted(cached, key=lambda e: (_finite(scores[e]), lineages[e][1]))
     best = {}
-    for candidate in ranked:
-        best.setdefault(candidate.record.root, candidate)
+    for entry_id in ranked:
+        best.setdefault(lineages[entry_id][0], entry_id)
     chosen = []
-    for root, candidate in list(best.items())[:limit]:
-        chosen.append(candidate)
-        if candidate.record.entry_id != root:
-            source = exact.get(root) or _candidate(store, root, signature)
-            if source is not None and source.record.corrupt is None:
-                chosen.append(source)
-    return sorted(chosen, key=lambda c: rank_score(c.distance))
+    for root, entry_id in list(best.items())[:limit]:
+        chosen.append(entry_id)
+        if root != entry_id:
+            chosen.append(root)
+    candidates = []
+    for entry_id in chosen:
+        own = cached.get(entry_id) or _signature(store, entry_id, signature)
+        candidate = _candidate(store, entry_id, own, signature) if own is not None else None
+        if candidate is not None:
+            candidates.append(candidate)
+    return sorted(candidates, key=lambda c: (rank_score(c.distance), c.record.created))

@@ -26,7 +26,7 @@ import torch
 
 from . import gate as gate_module
 from .connectivity import ConnectivityRecorder, plan_from_tensors
-from .index import Candidate, bucket_key, nearest
+from .index import Candidate, bucket_difference, bucket_key, bucket_parts, nearest
 from .localize import latent_mask
 from .observer import CheckpointRecorder, GenerationObserver
 from .preview import thumbnail_png
@@ -80,6 +80,7 @@ class ProbeResult:
     request_key: str
     seconds: float
     repeat: Optional[tuple] = None        # (entry id, final latent) of the full generation this request repeats
+    bucket_parts: dict = field(default_factory=dict)    # index.bucket_parts: stored with the entry
     model_calls: int = 0        # diffusion model forwards of the probe
     uncacheable: str = ""       # non-empty: why this request is generated without the cache
     model_text: str = ""        # the model's options, for the "no earlier generation of this model" reason
@@ -173,7 +174,8 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     bucket, key = identity or request_identity(runner, noise, sigmas)
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
                        key, time.perf_counter() - started, model_calls=_calls(runner, observer),
-                       uncacheable=uncacheable, model_text=getattr(runner, "model_text", "") or "")
+                       uncacheable=uncacheable, model_text=getattr(runner, "model_text", "") or "",
+                       bucket_parts=bucket_parts(runner.model_fingerprint, noise.shape, sigmas, runner.sampler))
 
 
 def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorConfig,
@@ -235,9 +237,22 @@ def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) ->
                      lambda: nearest(store, probed.bucket, probed.signature, config.lookup_limit), [])
 
 
-def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gate_module.Decision:
+def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
+    """For a request whose bucket holds no entry: which part of it (model, shape, steps, ...) differs from the
+    nearest cached generation's. Empty when the bucket has entries (then the gate's reasons say why none fit), and
+    when the store cannot be read (the lookup has reported that)."""
+    def work():
+        if store.records(probed.bucket, include_corrupt=True):
+            return []
+        return [bucket_difference(store, probed.bucket_parts)]
+    return _degraded(store, "explaining the miss", work, [])
+
+
+def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
+           bucket_reasons: tuple = ()) -> gate_module.Decision:
     """The gate's decision, unless the request is a full generation's exact repeat (found before probing, or
-    a candidate): then that generation's result."""
+    a candidate): then that generation's result. `bucket_reasons` (new_bucket_reasons) explain a miss for want of
+    any candidate."""
     if probed.uncacheable:
         return gate_module.Decision(False, config.risk, probed.steps, probed.probe_steps, probed.probe_steps,
                                     reasons=[probed.uncacheable])
@@ -246,8 +261,11 @@ def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig) -> gat
     for candidate in candidates:
         if candidate.record.replays(probed.request_key):
             return gate_module.exact_repeat(candidate.record.entry_id, probed.steps, config.risk, probed.probe_steps)
-    return gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk,
-                              probed.model_text)
+    decision = gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk,
+                                  probed.model_text)
+    if not candidates and bucket_reasons:
+        decision = dataclasses.replace(decision, reasons=decision.reasons + list(bucket_reasons))
+    return decision
 
 
 def follow_entry(runner, probed: ProbeResult, decision: gate_module.Decision, payload: TrajectoryPayload,
@@ -302,9 +320,10 @@ def _full_generation(decision: gate_module.Decision, probed: ProbeResult, why: s
 
 
 def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
-           config: CarnatorConfig, prompt: str = "", seed: int = 0) -> GenerationResult:
+           config: CarnatorConfig, prompt: str = "", seed: int = 0, model_name: str = "") -> GenerationResult:
     """Finishes the request (from the cache on a hit, from the probe state on a miss) and stores it; an exact
-    repeat returns its entry's result, or is generated in full if that entry can no longer be read."""
+    repeat returns its entry's result, or is generated in full if that entry can no longer be read. `model_name`
+    labels the entry in the cache browser (the model's file name; default: a short fingerprint)."""
     started = time.perf_counter()
     warnings = []
     changed = getattr(runner, "changed_since_fingerprint", None)
@@ -341,7 +360,9 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
                                       final=None if decision.reuse else latent),
             latent_shape=probed.latent.shape, thumbnail=thumbnail_png(runner.preview(latent)),
             reused_from=decision.entry_id if decision.reuse else None,
-            extra={"decision": {**decision.summary(), **cost}}, request_key=probed.request_key)
+            extra={"decision": {**decision.summary(), **cost}, "bucket": probed.bucket_parts,
+                   "model": model_name or runner.model_fingerprint[:12]},
+            request_key=probed.request_key)
     except (StoreError, OSError) as error:  # the result is returned whatever the store does with it
         warnings.append(f"not stored: {error}")
         if not probed.uncacheable:
@@ -353,7 +374,7 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
 
 
 def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorStore, config: CarnatorConfig,
-             prompt: str = "", seed: int = 0) -> GenerationResult:
+             prompt: str = "", seed: int = 0, model_name: str = "") -> GenerationResult:
     _validate_request(runner, noise, sigmas, config)
     identity = request_identity(runner, noise, sigmas)
     if not getattr(runner, "uncacheable", ""):
@@ -363,12 +384,12 @@ def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorS
     probed = probe(runner, noise, sigmas, config, identity)
     started = time.perf_counter()
     candidates = lookup(store, probed, config)
-    decision = decide(probed, candidates, config)
+    decision = decide(probed, candidates, config, new_bucket_reasons(store, probed) if not candidates else ())
     gate_seconds = time.perf_counter() - started
-    result = resume(runner, probed, decision, store, config, prompt, seed)
+    result = resume(runner, probed, decision, store, config, prompt, seed, model_name)
     result.seconds["lookup_and_gate"] = gate_seconds
     return result
 
 
 __all__ = ["CarnatorConfig", "ProbeResult", "GenerationResult", "Candidate", "probe", "lookup", "decide",
-           "resume", "replay", "generate", "follow_entry", "checkpoint_steps", "request_identity"]
+           "resume", "replay", "generate", "follow_entry", "checkpoint_steps", "request_identity", "new_bucket_reasons"]

@@ -120,3 +120,20 @@ def signature_distance(a: EarlySignature, b: EarlySignature) -> SignatureDistanc
     else:
         attention = 0.0
     return SignatureDistance(hidden=hidden, denoised=denoised, attention=attention, cell_map=cell_map)
+
+
+def shortlist_scores(query: EarlySignature, others: list) -> list:
+    """index.rank_score of `query` against each of `others` (same shapes), in one batched pass: how a lookup
+    orders its shortlist before the exact distances (signature_distance) of the few it keeps."""
+    if not others:
+        return []
+    def unit(x):   # plain ops: F.cosine_similarity costs several times more on a busy CPU
+        return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+    cosine = (unit(query.hidden)[None] * unit(torch.stack([o.hidden for o in others]))).sum(-1)
+    scores = 1.0 - cosine.flatten(1).mean(1)
+    diff = query.denoised[None] - torch.stack([o.denoised for o in others])
+    scores = scores + diff.pow(2).flatten(1).mean(1).sqrt()
+    if query.attention.numel():
+        tv = 0.5 * (query.attention[None] - torch.stack([o.attention for o in others])).abs().sum(-1)
+        scores = scores + 0.5 * tv.flatten(1).mean(1)
+    return scores.tolist()

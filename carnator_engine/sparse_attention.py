@@ -490,7 +490,7 @@ by :func:`default_kernel_options`; a dict (``{}`` = torch's own defaults) overri
 HOPPER_FLEX_KERNEL_OPTIONS: dict = {"USE_TMA": True}
 """Measured on an H200 (torch 2.11, bf16, D=128, L=32760): TMA loads cut the flex
 kernel time by 6-8% at densities 0.1/0.3/1.0 with identical output
-(benchmarks/results/attention_kernels_h200.json, ``flex_kernel_options``)."""
+(benchmarks/results/kernels/attention_kernels_h200.json, ``flex_kernel_options``)."""
 
 
 def default_kernel_options(device: torch.device | str) -> dict:

@@ -41,6 +41,8 @@ from .vectors import VECTOR_DIM, BucketMatrix, compact_vector
 log = logging.getLogger("carnator.store")
 
 MIN_SIZE_LIMIT = 1 << 20
+# The one default size limit of a cache: the Carnator Cache node, the CLI and the engine use it alike.
+DEFAULT_SIZE_LIMIT = 8 << 30
 SIGNATURE_CACHE = 256   # parsed signatures kept in memory (entries never change their signature)
 
 
@@ -114,9 +116,9 @@ class TrajectoryPayload:
     final: Optional[torch.Tensor] = None
 
 
-def _encode(record: EntryRecord, vector: np.ndarray) -> bytes:
+def _encode(record: EntryRecord, vector) -> bytes:
     value = asdict(record)
-    value["vector"] = base64.b64encode(vector.astype(np.float16).tobytes()).decode()
+    value["vector"] = base64.b64encode(np.asarray(vector, dtype=np.float16).tobytes()).decode()
     return json.dumps(value, allow_nan=False).encode()
 
 
@@ -148,10 +150,12 @@ class _Indexed:
     corrupt: bool
     repeat_key: Optional[str]   # request key of a full generation (exact repeats), else None
     created: float
+    root: str                   # its lineage: the full generation it descends from
+    sig_sha256: str
 
 
 class CarnatorStore:
-    def __init__(self, location: str, size_limit_bytes: int = 4 << 30):
+    def __init__(self, location: str, size_limit_bytes: int = DEFAULT_SIZE_LIMIT):
         _check_size_limit(size_limit_bytes)
         from .backends import open_backend
         self._backend = open_backend(location)
@@ -207,10 +211,14 @@ class CarnatorStore:
         self._forget(entry_id)
         repeat = record.request_key if record.reused_from is None and record.request_key else None
         self._entries[entry_id] = _Indexed(record.bucket, record.size_bytes, record.hits, record.steps_saved,
-                                           record.corrupt is not None, repeat, record.created)
+                                           record.corrupt is not None, repeat, record.created, record.root,
+                                           record.sig_sha256)
         self._bytes += record.size_bytes
         if record.corrupt is None:
-            self._buckets.setdefault(record.bucket, BucketMatrix()).add(entry_id, vector)
+            matrix = self._buckets.get(record.bucket)
+            if matrix is None:
+                matrix = self._buckets[record.bucket] = BucketMatrix()
+            matrix.add(entry_id, vector)
             if repeat:
                 self._repeats.setdefault((record.bucket, repeat), set()).add(entry_id)
         self._queue.set(entry_id, priority(record.corrupt is not None, record.benefit, record.last_used))
@@ -255,6 +263,13 @@ class CarnatorStore:
             self._sync()
             matrix = self._buckets.get(bucket)
             return matrix.nearest(vector, count) if matrix is not None else []
+
+    def lineage_of(self, entry_id: str) -> tuple:
+        """(lineage, created) of an indexed entry, from memory: the full generation it descends from, and when it
+        was stored (what orders equally near candidates, oldest first)."""
+        with self._lock:
+            indexed = self._entries.get(entry_id)
+            return (indexed.root, indexed.created) if indexed is not None else (entry_id, 0.0)
 
     def index_bytes(self) -> int:
         return sum(matrix.nbytes() for matrix in self._buckets.values())
@@ -402,24 +417,36 @@ class CarnatorStore:
                                     "removed") from None
 
     def signature(self, record: EntryRecord) -> EarlySignature:
+        return self._signature(record.entry_id, record.sig_sha256, record.corrupt)
+
+    def signature_of(self, entry_id: str) -> EarlySignature:
+        """An indexed entry's signature without reading its metadata (the checksum is in memory): what a lookup
+        reads for each entry of its shortlist."""
         with self._lock:
-            cached = self._signatures.get(record.entry_id)
-            if cached is not None and not record.corrupt:
-                self._signatures.move_to_end(record.entry_id)
+            indexed = self._entries.get(entry_id)
+        if indexed is None:
+            raise StoreError(f"cache entry {entry_id} was deleted or evicted meanwhile")
+        return self._signature(entry_id, indexed.sig_sha256, "marked corrupt" if indexed.corrupt else None)
+
+    def _signature(self, entry_id: str, sha: str, corrupt: Optional[str]) -> EarlySignature:
+        with self._lock:
+            cached = self._signatures.get(entry_id)
+            if cached is not None and not corrupt:
+                self._signatures.move_to_end(entry_id)
                 return cached
-        data = self._checked_bytes(record, "sig", record.sig_sha256)
+        data = self._checked_bytes(entry_id, corrupt, "sig", sha)
         try:
             signature = EarlySignature.from_tensors(load_safetensors(data))
         except Exception as error:  # any parse failure of stored bytes means corruption
-            raise self._mark_corrupt(record.entry_id, f"signature does not parse ({error})")
+            raise self._mark_corrupt(entry_id, f"signature does not parse ({error})")
         with self._lock:
-            self._signatures[record.entry_id] = signature
+            self._signatures[entry_id] = signature
             while len(self._signatures) > SIGNATURE_CACHE:
                 self._signatures.popitem(last=False)
         return signature
 
     def trajectory(self, record: EntryRecord) -> TrajectoryPayload:
-        data = self._checked_bytes(record, "blob", record.blob_sha256)
+        data = self._checked_bytes(record.entry_id, record.corrupt, "blob", record.blob_sha256)
         try:
             tensors = load_safetensors(data)
         except Exception as error:
@@ -461,18 +488,18 @@ class CarnatorStore:
 
     # ---- corruption ----------------------------------------------------------------------------
 
-    def _checked_bytes(self, record: EntryRecord, kind: str, sha: str) -> bytes:
-        if record.corrupt:
-            raise CorruptEntryError(f"cache entry {record.entry_id} is corrupt ({record.corrupt}); it was skipped")
-        data = self._backend.part(record.entry_id, kind)
+    def _checked_bytes(self, entry_id: str, corrupt: Optional[str], kind: str, sha: str) -> bytes:
+        if corrupt:
+            raise CorruptEntryError(f"cache entry {entry_id} is corrupt ({corrupt}); it was skipped")
+        data = self._backend.part(entry_id, kind)
         if data is None:
-            if self._backend.meta(record.entry_id) is None:  # deleted or evicted while it was being read
+            if self._backend.meta(entry_id) is None:  # deleted or evicted while it was being read
                 with self._lock:
-                    self._forget(record.entry_id)
-                raise StoreError(f"cache entry {record.entry_id} was deleted or evicted meanwhile")
-            raise self._mark_corrupt(record.entry_id, f"its {kind} data is missing")
+                    self._forget(entry_id)
+                raise StoreError(f"cache entry {entry_id} was deleted or evicted meanwhile")
+            raise self._mark_corrupt(entry_id, f"its {kind} data is missing")
         if _sha256(data) != sha:
-            raise self._mark_corrupt(record.entry_id, f"its {kind} data does not match its checksum")
+            raise self._mark_corrupt(entry_id, f"its {kind} data does not match its checksum")
         return data
 
     def _mark_corrupt(self, entry_id: str, why: str) -> CorruptEntryError:

@@ -11,8 +11,10 @@ The exact distance (signature.signature_distance) still decides the order of the
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
+import torch
 
 from .signature import EarlySignature
 
@@ -24,27 +26,34 @@ HIDDEN_WEIGHT = 2.0  # a cosine gap of 0.01 weighs like an RMS gap of 0.2: the t
 
 
 @functools.lru_cache(maxsize=16)
-def _projection(inputs: int, outputs: int, salt: int) -> np.ndarray:
+def _projection(inputs: int, outputs: int, salt: int) -> torch.Tensor:
     rng = np.random.RandomState(PROJECTION_SEED + salt)
-    return (rng.standard_normal((inputs, outputs)) / np.sqrt(outputs)).astype(np.float32)
+    return torch.from_numpy((rng.standard_normal((inputs, outputs)) / np.sqrt(outputs)).astype(np.float32))
 
 
-def compact_vector(signature: EarlySignature) -> np.ndarray:
-    denoised = signature.denoised.float().reshape(-1).numpy()
-    denoised = denoised / np.sqrt(max(1, denoised.size))
-    hidden = signature.hidden.float()
+def compact_vectors(signatures: list) -> torch.Tensor:
+    """[len(signatures), VECTOR_DIM]; the signatures must share their shapes (one bucket's do)."""
+    denoised = torch.stack([s.denoised.float().reshape(-1) for s in signatures])
+    hidden = torch.stack([s.hidden.float() for s in signatures])
     hidden = hidden / hidden.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    hidden = hidden.reshape(-1).numpy() * (HIDDEN_WEIGHT / np.sqrt(max(1, hidden.shape[:-1].numel())))
-    vector = np.concatenate([denoised @ _projection(denoised.size, DENOISED_DIM, 0),
-                             hidden @ _projection(hidden.size, HIDDEN_DIM, 1)]).astype(np.float32)
-    if not np.isfinite(vector).all():
+    blocks = max(1, hidden.shape[1:-1].numel())
+    hidden = hidden.flatten(1)
+    vectors = torch.cat([(denoised @ _projection(denoised.shape[1], DENOISED_DIM, 0)) / math.sqrt(denoised.shape[1]),
+                         (hidden @ _projection(hidden.shape[1], HIDDEN_DIM, 1)) * (HIDDEN_WEIGHT / math.sqrt(blocks))],
+                        dim=1)
+    if not bool(torch.isfinite(vectors).all()):
         raise ValueError("the Early Signature holds non-finite values (NaN or inf): the probe's model output is "
                          "broken, so it cannot be stored or compared")
-    return vector
+    return vectors
+
+
+def compact_vector(signature: EarlySignature) -> torch.Tensor:
+    return compact_vectors([signature])[0]
 
 
 class BucketMatrix:
-    """One bucket's vectors as rows of a matrix (grown by doubling, removals swap the last row in)."""
+    """One bucket's vectors as rows of a matrix (grown by doubling, removals swap the last row in). Rows live in
+    numpy (a row write is a memory copy, not a torch op); a lookup multiplies them as a torch view."""
 
     def __init__(self):
         self.rows = np.zeros((16, VECTOR_DIM), dtype=np.float32)
@@ -63,7 +72,7 @@ class BucketMatrix:
             self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
             self.norms = np.concatenate([self.norms, np.zeros_like(self.norms)])
         self.rows[n] = vector
-        self.norms[n] = float(vector @ vector)
+        self.norms[n] = float(np.dot(vector, vector))
         self.ids.append(entry_id)
         self.position[entry_id] = n
 
@@ -78,18 +87,15 @@ class BucketMatrix:
             self.position[moved] = n
         self.ids.pop()
 
-    def nearest(self, vector: np.ndarray, count: int) -> list:
+    def nearest(self, vector: torch.Tensor, count: int) -> list:
         """Ids of the `count` rows nearest to `vector` (squared Euclidean distance), nearest first."""
         n = len(self.ids)
         if n == 0:
             return []
-        distances = self.norms[:n] - 2.0 * (self.rows[:n] @ vector)
-        if count < n:
-            chosen = np.argpartition(distances, count)[:count]
-        else:
-            chosen = np.arange(n)
-        chosen = chosen[np.argsort(distances[chosen], kind="stable")]
-        return [self.ids[i] for i in chosen]
+        rows, norms = torch.from_numpy(self.rows[:n]), torch.from_numpy(self.norms[:n])
+        distances = norms - 2.0 * torch.mv(rows, vector.float())
+        chosen = torch.topk(distances, min(count, n), largest=False, sorted=True).indices
+        return [self.ids[i] for i in chosen.tolist()]
 
     def nbytes(self) -> int:
         return self.rows.nbytes + self.norms.nbytes

@@ -1,9 +1,13 @@
-"""Carnator's ComfyUI nodes (V1 API). Thin: check and parse inputs, call the engine, return.
+"""Carnator's ComfyUI nodes, on ComfyUI's versioned node API (comfy_api.latest, "V3"). Thin: check and parse
+inputs, call the engine, return.
 
 The four stages of carnator_engine.pipeline as separate nodes (Early Probe -> Signature Cache Lookup ->
 Compatibility Gate -> Trajectory Resume), the store they share (Carnator Cache), and the all-in-one
 Carnator Sampler. Objects passed between the stage nodes carry the probe's token, so a Gate or Resume fed
 from another probe's outputs is refused instead of silently mixing requests.
+
+Node ids, input names and their order are those of the V1 nodes before them, so saved workflows keep loading
+(their widgets_values are positional). Only ComfyUI imports this module (the plugin's comfy_entrypoint).
 """
 from __future__ import annotations
 
@@ -12,69 +16,110 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
+import comfy.samplers
+from comfy_api.latest import ComfyExtension, io, ui
+
 from carnator_engine import pipeline
 from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, SWITCHES, Decision
 from carnator_engine.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
 from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, fail,
-                     make_config, progress_callback, prompt_text, send_decision, summary_text, to_json)
-from .stores import open_store
+                     make_config, model_label, progress_callback, prompt_text, send_decision, summary_text, to_json)
+from .stores import DEFAULT_SIZE_LIMIT_GB, open_store
 
 CATEGORY = "Carnator"
-_SAMPLER_FALLBACK = ["euler"]
-_SCHEDULER_FALLBACK = ["simple"]
+
+# The types that travel between Carnator's nodes (links of these types only connect Carnator nodes).
+CacheType = io.Custom("CARNATOR_CACHE")
+ProbeType = io.Custom("CARNATOR_PROBE")
+MatchesType = io.Custom("CARNATOR_MATCHES")
+DecisionType = io.Custom("CARNATOR_DECISION")
+
+_HIDDEN = [io.Hidden.unique_id, io.Hidden.prompt]
 
 
-def _samplers() -> list:
-    try:
-        import comfy.samplers
-        return list(comfy.samplers.KSampler.SAMPLERS)
-    except ImportError:  # the node module imported without ComfyUI (docs, host-free tests)
-        return list(_SAMPLER_FALLBACK)
+def _cache_input() -> io.Input:
+    return CacheType.Input("cache", tooltip="The store of earlier generations: connect a Carnator Cache node.")
 
 
-def _schedulers() -> list:
-    try:
-        import comfy.samplers
-        return list(comfy.samplers.KSampler.SCHEDULERS)
-    except ImportError:
-        return list(_SCHEDULER_FALLBACK)
+def _probe_input() -> io.Input:
+    return ProbeType.Input("probe", tooltip="The request after its probe steps: connect a Carnator Early Probe node.")
 
 
-def _request_inputs(probe_steps_default: int = 3) -> dict:
-    return {
-        "model": ("MODEL", {"tooltip": "A Wan 2.1/2.2, HunyuanVideo or LTX-Video model (LoRAs and patches are part of the cache key); with a low_noise_model, Wan 2.2 A14B's high-noise expert."}),
-        "positive": ("CONDITIONING",),
-        "negative": ("CONDITIONING",),
-        "latent_image": ("LATENT", {"tooltip": "An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1."}),
-        "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
-        "steps": ("INT", {"default": 30, "min": 2, "max": 10000}),
-        "cfg": ("FLOAT", {"default": 6.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}),
-        "sampler_name": (_samplers(), {"default": "euler"}),
-        "scheduler": (_schedulers(), {"default": "simple"}),
-        "probe_steps": ("INT", {"default": probe_steps_default, "min": 1, "max": 1000,
-                                "tooltip": "Steps run before the cache is consulted (the Early Signature)."}),
-    }
+def _request_inputs(probe_steps_default: int = 3) -> list:
+    """model, positive, ..., probe_steps: a request as KSampler takes it, plus the probe's length."""
+    return [
+        io.Model.Input("model", tooltip="A Wan 2.1/2.2, HunyuanVideo or LTX-Video model (LoRAs and patches are "
+                                        "part of the cache key); with a low_noise_model, Wan 2.2 A14B's high-noise "
+                                        "expert."),
+        io.Conditioning.Input("positive", tooltip="What the video should show (the text encoder's output); compared "
+                                                  "through the model's early states, never as text."),
+        io.Conditioning.Input("negative", tooltip="What the video should avoid, as for KSampler."),
+        io.Latent.Input("latent_image", tooltip="An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1."),
+        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                     tooltip="The noise seed. Another seed is another request: it may still reuse a close one."),
+        io.Int.Input("steps", default=30, min=2, max=10000,
+                     tooltip="Denoising steps N. Only entries with the same steps, sampler and schedule are reused."),
+        io.Float.Input("cfg", default=6.0, min=0.0, max=100.0, step=0.1, round=0.01,
+                       tooltip="Classifier-free guidance scale, as for KSampler; part of the cache key."),
+        io.Combo.Input("sampler_name", options=list(comfy.samplers.KSampler.SAMPLERS), default="euler",
+                       tooltip="The sampler, as for KSampler; part of the cache key. Single-step samplers (euler, "
+                               "heun) resume exactly; multistep ones restart their history at the resume step."),
+        io.Combo.Input("scheduler", options=list(comfy.samplers.KSampler.SCHEDULERS), default="simple",
+                       tooltip="The sigma schedule, as for KSampler; part of the cache key."),
+        io.Int.Input("probe_steps", default=probe_steps_default, min=1, max=1000,
+                     tooltip="Steps run before the cache is consulted (the Early Signature)."),
+    ]
 
 
-# Wan 2.2 A14B: the second expert and where it takes over (ComfyUI's template: 20 steps, switch at step 10)
-_EXPERT_INPUTS = {
-    "low_noise_model": ("MODEL", {"tooltip": "Wan 2.2 A14B's low-noise expert: runs the steps from the switch on "
-                                             "('model' is then the high-noise expert). Leave unconnected for one model."}),
-    "switch_step": ("INT", {"default": 0, "min": 0, "max": 10000, "tooltip":
-                            "Step at which the low-noise expert takes over (the first KSamplerAdvanced's end_at_step "
-                            "in ComfyUI's template). 0 = from boundary_sigma."}),
-    "boundary_sigma": ("FLOAT", {"default": 0.875, "min": 0.0, "max": 1.0, "step": 0.001, "tooltip":
-                                 "With switch_step 0: the high-noise expert runs every step whose sigma is at least "
-                                 "this (Wan 2.2 T2V: 0.875)."}),
-}
-_HIDDEN = {"unique_id": "UNIQUE_ID", "prompt": "PROMPT"}
-_RISK = (list(RISK_LEVELS), {"default": "balanced",
-                             "tooltip": "safe: reuse only close matches, resume early; aggressive: reuse more, resume later."})
-_ATTENTION_DENSITY = ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, "tooltip":
-                                "Budget of the attention connectivity a miss records for later hits: the share of key "
-                                "blocks each query block keeps (its largest). 1 = keep 90 % of the attention mass, "
-                                "however many blocks that takes; 0.3 made a Wan 1.3B-size hit 2.3x faster on an H200."})
+def _expert_inputs() -> list:
+    """Wan 2.2 A14B: the second expert and where it takes over (ComfyUI's template: 20 steps, switch at step 10)."""
+    return [
+        io.Model.Input("low_noise_model", optional=True, tooltip=(
+            "Wan 2.2 A14B's low-noise expert: runs the steps from the switch on ('model' is then the high-noise "
+            "expert). Leave unconnected for one model.")),
+        io.Int.Input("switch_step", default=0, min=0, max=10000, optional=True, tooltip=(
+            "Step at which the low-noise expert takes over (the first KSamplerAdvanced's end_at_step in ComfyUI's "
+            "template). 0 = from boundary_sigma.")),
+        io.Float.Input("boundary_sigma", default=0.875, min=0.0, max=1.0, step=0.001, optional=True, tooltip=(
+            "With switch_step 0: the high-noise expert runs every step whose sigma is at least this (Wan 2.2 T2V: "
+            "0.875).")),
+    ]
+
+
+def _risk_input() -> io.Input:
+    return io.Combo.Input("risk", options=list(RISK_LEVELS), default="balanced",
+                          tooltip="safe: reuse only close matches, resume early; aggressive: reuse more, resume "
+                                  "later.")
+
+
+def _sparse_attention_input() -> io.Input:
+    return io.Boolean.Input("sparse_attention", default=True,
+                            tooltip="Resume with the cached block-sparse attention (dense where the request "
+                                    "differs).")
+
+
+def _attention_density_input() -> io.Input:
+    return io.Float.Input("attention_density", default=1.0, min=0.05, max=1.0, step=0.05, optional=True, tooltip=(
+        "Budget of the attention connectivity a miss records for later hits: the share of key blocks each query "
+        "block keeps (its largest). 1 = keep 90 % of the attention mass, however many blocks that takes; 0.3 made "
+        "a Wan 1.3B-size hit 2.3x faster on an H200."))
+
+
+def _latent_output() -> io.Output:
+    return io.Latent.Output("latent", display_name="latent",
+                            tooltip="The finished latent (decode it with the model's VAE), as KSampler gives it.")
+
+
+def _summary_output() -> io.Output:
+    return io.String.Output("summary_json", display_name="summary_json",
+                            tooltip="What happened, as JSON: hit/miss/repeat, resume step, model calls, the gate's "
+                                    "numbers and reasons, the entry stored.")
+
+
+def _hidden(cls, name: str):
+    """A hidden input (unique_id, prompt) as ComfyUI's executor fills it in; None when called outside it."""
+    return getattr(cls.hidden, name, None) if cls.hidden is not None else None
 
 
 @dataclass
@@ -86,7 +131,8 @@ class ProbeBundle:
     seed: int
     prompt: str
     latent_extra: dict
-    directory: Optional[str] = None   # the cache the probe checked for an exact repeat
+    model_name: str = ""        # the model's file name, the cache browser's label
+    directory: Optional[str] = None   # the cache the probe checked for an exact repeat (its location)
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -96,6 +142,7 @@ class MatchesBundle:
     probe_token: str
     directory: str
     candidates: list
+    bucket_reasons: list        # why there are none, when the probe's bucket holds no entry
 
 
 @dataclass
@@ -138,24 +185,27 @@ def _default_block_size(model) -> int:
     return 128 if device == "cuda" else 64   # FlexAttention's tile on GPUs
 
 
-class CarnatorCache:
-    DESCRIPTION = ("The store of earlier generations (survives restarts): a folder, or a redis:// URL for one store "
-                   "shared by many ComfyUI workers. Leave cache_dir empty for ComfyUI's user directory.")
+class CarnatorCache(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorCache", display_name="Carnator Cache", category=CATEGORY,
+            description="The store of earlier generations (survives restarts): a folder, or a redis:// URL for one "
+                        "store shared by many ComfyUI workers. Leave cache_dir empty for ComfyUI's user directory.",
+            inputs=[
+                io.String.Input("cache_dir", default="", tooltip=(
+                    "Folder of the cache (empty = <user dir>/carnator_cache; a relative path is taken inside ComfyUI's "
+                    "user directory), or redis://[:password@]host:port/db (rediss:// with TLS; the password may also "
+                    "come from CARNATOR_REDIS_PASSWORD).")),
+                io.Float.Input("size_limit_gb", default=DEFAULT_SIZE_LIMIT_GB, min=0.001, max=100000.0, step=0.5,
+                               tooltip="Least useful entries are evicted beyond this size (GiB)."),
+            ],
+            outputs=[CacheType.Output("cache", display_name="cache", tooltip="The store: connect it to the Carnator "
+                                      "Sampler, or to the Signature Cache Lookup and the Trajectory Resume.")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "cache_dir": ("STRING", {"default": "", "tooltip": "Folder of the cache (empty = <user dir>/carnator_cache), or redis://[:password@]host:port/db (rediss:// with TLS; the password may also come from CARNATOR_REDIS_PASSWORD)."}),
-            "size_limit_gb": ("FLOAT", {"default": 8.0, "min": 0.001, "max": 100000.0, "step": 0.5,
-                                        "tooltip": "Least useful entries are evicted beyond this size."}),
-        }}
-
-    RETURN_TYPES = ("CARNATOR_CACHE",)
-    RETURN_NAMES = ("cache",)
-    FUNCTION = "open"
-    CATEGORY = CATEGORY
-
-    def open(self, cache_dir: str, size_limit_gb: float):
+    def execute(cls, cache_dir: str, size_limit_gb: float) -> io.NodeOutput:
         node = "Carnator Cache"
         size = check_number(node, "size_limit_gb", size_limit_gb)
         limit = int(size * (1 << 30))
@@ -168,7 +218,7 @@ class CarnatorCache:
             store = open_store(cache_dir, limit)
         except (StoreError, OSError) as error:
             raise fail(node, "cache_dir", str(error)) from None
-        return (store,)
+        return io.NodeOutput(store)
 
 
 def _expect(node: str, name: str, value, kind: type, source: str):
@@ -182,55 +232,60 @@ def _check_store(node: str, cache) -> CarnatorStore:
     return _expect(node, "cache", cache, CarnatorStore, "Carnator Cache")
 
 
-class CarnatorEarlyProbe:
-    DESCRIPTION = "Runs the first probe_steps of the request with hooks that record its Early Signature."
+class CarnatorEarlyProbe(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorEarlyProbe", display_name="Carnator Early Probe", category=CATEGORY,
+            description="Runs the first probe_steps of the request with hooks that record its Early Signature.",
+            inputs=_request_inputs() + [
+                io.Int.Input("block_size", default=0, min=0, max=1024, step=16,
+                             tooltip="Tokens per attention block; 0 picks FlexAttention's 128 on GPUs and 64 on "
+                                     "the CPU."),
+                CacheType.Input("cache", optional=True, tooltip="Connect the Carnator Cache to answer an exact "
+                                "repeat with its stored result before any probe step runs."),
+                *_expert_inputs(),
+            ],
+            outputs=[ProbeType.Output("probe", display_name="probe", tooltip="The request after its probe steps, "
+                                      "with its Early Signature: connect it to the Lookup, the Gate and the Resume.")],
+            hidden=list(_HIDDEN),
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        inputs = _request_inputs()
-        inputs["block_size"] = ("INT", {"default": 0, "min": 0, "max": 1024, "step": 16,
-                                        "tooltip": "Tokens per attention block; 0 picks FlexAttention's 128 "
-                                                   "on GPUs and 64 on the CPU."})
-        optional = {"cache": ("CARNATOR_CACHE", {"tooltip": "Connect the Carnator Cache to answer an exact repeat "
-                                                            "with its stored result before any probe step runs."}),
-                    **_EXPERT_INPUTS}
-        return {"required": inputs, "optional": optional, "hidden": dict(_HIDDEN)}
-
-    RETURN_TYPES = ("CARNATOR_PROBE",)
-    RETURN_NAMES = ("probe",)
-    FUNCTION = "probe"
-    CATEGORY = CATEGORY
-
-    def probe(self, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-              probe_steps, block_size, unique_id=None, prompt=None, cache=None, **experts):
+    def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
+                probe_steps, block_size, cache=None, **experts) -> io.NodeOutput:
         node = "Carnator Early Probe"
         store = None if cache is None else _check_store(node, cache)
         config = make_config(node, steps, probe_steps, block_size=block_size or _default_block_size(model))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
                                          sampler_name, scheduler, probe_steps, experts)
         probed = pipeline.probe(runner, noise, runner.sigmas, config, store=store)
-        return (ProbeBundle(runner, probed, config, int(seed), prompt_text(prompt, unique_id), latent.extra,
-                            None if store is None else store.location),)
+        graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
+        return io.NodeOutput(ProbeBundle(runner, probed, config, int(seed), prompt_text(graph, unique_id),
+                                         latent.extra, model_label(graph, unique_id),
+                                         None if store is None else store.location))
 
 
 def _check_probe(node: str, probe) -> ProbeBundle:
     return _expect(node, "probe", probe, ProbeBundle, "Carnator Early Probe")
 
 
-class CarnatorSignatureCacheLookup:
-    DESCRIPTION = "Finds the cached generations nearest to the probe (same model, patches, shape and schedule)."
+class CarnatorSignatureCacheLookup(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorSignatureCacheLookup", display_name="Carnator Signature Cache Lookup", category=CATEGORY,
+            description="Finds the cached generations nearest to the probe (same model, patches, shape and "
+                        "schedule).",
+            inputs=[_cache_input(), _probe_input(),
+                    io.Int.Input("limit", default=3, min=1, max=64,
+                                 tooltip="How many of the nearest cached generations the Gate may choose from.")],
+            outputs=[MatchesType.Output("matches", display_name="matches", tooltip="The nearest cached generations "
+                                        "with their distances to the probe: connect it to the Compatibility Gate.")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"cache": ("CARNATOR_CACHE",), "probe": ("CARNATOR_PROBE",),
-                             "limit": ("INT", {"default": 3, "min": 1, "max": 64})}}
-
-    RETURN_TYPES = ("CARNATOR_MATCHES",)
-    RETURN_NAMES = ("matches",)
-    FUNCTION = "lookup"
-    CATEGORY = CATEGORY
-
-    def lookup(self, cache, probe, limit):
+    def execute(cls, cache, probe, limit) -> io.NodeOutput:
         node = "Carnator Signature Cache Lookup"
         store = _check_store(node, cache)
         bundle = _check_probe(node, probe)
@@ -246,41 +301,49 @@ class CarnatorSignatureCacheLookup:
             [f"{len(candidates)} candidate(s)"] + [
             f"{c.record.entry_id}: denoised {c.distance.denoised:.3f}, hidden {c.distance.hidden:.4f}, "
             f"attention {c.distance.attention:.3f}" for c in candidates]
-        return {"ui": {"text": ["\n".join(lines)]},
-                "result": (MatchesBundle(bundle.token, store.location, candidates),)}
+        reasons = [] if candidates or repeat is not None else pipeline.new_bucket_reasons(store, bundle.probed)
+        return io.NodeOutput(MatchesBundle(bundle.token, store.location, candidates, reasons),
+                             ui=ui.PreviewText("\n".join(lines + reasons)))
 
 
 _OVERRIDES = ("max_hidden", "max_attention", "max_context", "cell_threshold", "max_target_fraction",
               "max_resume_fraction")
 
 
-class CarnatorCompatibilityGate:
-    DESCRIPTION = ("Decides, from the model's own early states, whether to reuse a cached trajectory and from "
-                   "which step. Threshold inputs at 0 use the risk level's preset.")
+class CarnatorCompatibilityGate(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        balanced = RISK_POLICIES["balanced"]
+        thresholds = [io.Float.Input(name, default=0.0, min=0.0, max=10.0, step=0.001, optional=True,
+                                     tooltip=f"0 = preset ({getattr(balanced, name)} for balanced)")
+                      for name in _OVERRIDES]
+        return io.Schema(
+            node_id="CarnatorCompatibilityGate", display_name="Carnator Compatibility Gate", category=CATEGORY,
+            description="Decides, from the model's own early states, whether to reuse a cached trajectory and from "
+                        "which step. Threshold inputs at 0 use the risk level's preset.",
+            inputs=[_probe_input(),
+                    MatchesType.Input("matches", tooltip="The probe's nearest cached generations: connect the "
+                                                         "Signature Cache Lookup fed with the same probe."),
+                    _risk_input(), *thresholds,
+                    io.Int.Input("min_saved_steps", default=0, min=0, max=10000, optional=True,
+                                 tooltip="0 = preset: a hit must save at least this many steps."),
+                    io.Boolean.Input("refine_target", default=balanced.refine_target, optional=True, tooltip=(
+                        "Spend one model call midway re-estimating the region that differs from the cached "
+                        "generation, instead of extrapolating it from the probe (fewer wrong reuses; off saves that "
+                        "call).")),
+                    io.Boolean.Input("shrink_with_risk", default=balanced.shrink_with_risk, optional=True, tooltip=(
+                        "Resume earlier the closer the match is to a limit. Off: every accepted match resumes at "
+                        "the furthest step the risk level allows."))],
+            outputs=[DecisionType.Output("decision", display_name="decision", tooltip="The decision (reuse or not, "
+                                         "the entry, the resume step k, the target region): connect it to the "
+                                         "Trajectory Resume."),
+                     io.String.Output("decision_json", display_name="decision_json",
+                                      tooltip="The same decision as JSON, with the gate's numbers and reasons.")],
+            hidden=[io.Hidden.unique_id],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        optional = {name: ("FLOAT", {"default": 0.0, "min": 0.0, "max": 10.0, "step": 0.001,
-                                     "tooltip": f"0 = preset ({RISK_POLICIES['balanced'].__dict__[name]} "
-                                                "for balanced)"}) for name in _OVERRIDES}
-        optional["min_saved_steps"] = ("INT", {"default": 0, "min": 0, "max": 10000,
-                                               "tooltip": "0 = preset: a hit must save at least this many steps."})
-        optional["refine_target"] = ("BOOLEAN", {"default": RISK_POLICIES["balanced"].refine_target, "tooltip":
-                                     "Spend one model call midway re-estimating the region that differs from the "
-                                     "cached generation, instead of extrapolating it from the probe (fewer wrong "
-                                     "reuses; off saves that call)."})
-        optional["shrink_with_risk"] = ("BOOLEAN", {"default": RISK_POLICIES["balanced"].shrink_with_risk, "tooltip":
-                                        "Resume earlier the closer the match is to a limit. Off: every accepted "
-                                        "match resumes at the furthest step the risk level allows."})
-        return {"required": {"probe": ("CARNATOR_PROBE",), "matches": ("CARNATOR_MATCHES",), "risk": _RISK},
-                "optional": optional, "hidden": {"unique_id": "UNIQUE_ID"}}
-
-    RETURN_TYPES = ("CARNATOR_DECISION", "STRING")
-    RETURN_NAMES = ("decision", "decision_json")
-    FUNCTION = "decide"
-    CATEGORY = CATEGORY
-
-    def decide(self, probe, matches, risk, unique_id=None, **thresholds):
+    def execute(cls, probe, matches, risk, **thresholds) -> io.NodeOutput:
         node = "Carnator Compatibility Gate"
         bundle = _check_probe(node, probe)
         _expect(node, "matches", matches, MatchesBundle, "Carnator Signature Cache Lookup")
@@ -298,37 +361,33 @@ class CarnatorCompatibilityGate:
                 overrides[name] = int(value) if name == "min_saved_steps" else value
         config = make_config(node, bundle.probed.steps, bundle.config.probe_steps, risk,
                              bundle.config.block_size, bundle.config.sparse_attention, overrides)
-        decision = pipeline.decide(bundle.probed, matches.candidates, config)
+        decision = pipeline.decide(bundle.probed, matches.candidates, config, matches.bucket_reasons)
         summary = decision.summary()
-        send_decision(unique_id, summary)
-        return {"ui": {"text": [summary_text(summary)]},
-                "result": (DecisionBundle(bundle.token, matches.directory, decision, config), to_json(summary))}
+        send_decision(_hidden(cls, "unique_id"), summary)
+        return io.NodeOutput(DecisionBundle(bundle.token, matches.directory, decision, config), to_json(summary),
+                             ui=ui.PreviewText(summary_text(summary)))
 
 
 def _latent_out(runner, bundle_extra: dict, latent) -> dict:
     return {**bundle_extra, "samples": runner.to_latent_format(latent).cpu()}
 
 
-class CarnatorTrajectoryResume:
-    DESCRIPTION = ("Finishes the request: from the cached trajectory on a hit, from the probe on a miss; "
-                   "then stores it for later requests.")
+class CarnatorTrajectoryResume(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorTrajectoryResume", display_name="Carnator Trajectory Resume", category=CATEGORY,
+            description="Finishes the request: from the cached trajectory on a hit, from the probe on a miss; then "
+                        "stores it for later requests.",
+            inputs=[_cache_input(), _probe_input(),
+                    DecisionType.Input("decision", tooltip="The Compatibility Gate's decision for this probe."),
+                    _sparse_attention_input(), _attention_density_input()],
+            outputs=[_latent_output(), _summary_output()],
+            hidden=[io.Hidden.unique_id],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"cache": ("CARNATOR_CACHE",), "probe": ("CARNATOR_PROBE",),
-                             "decision": ("CARNATOR_DECISION",),
-                             "sparse_attention": ("BOOLEAN", {"default": True, "tooltip":
-                                                  "Resume with the cached block-sparse attention (dense where the "
-                                                  "request differs)."})},
-                "optional": {"attention_density": _ATTENTION_DENSITY},
-                "hidden": {"unique_id": "UNIQUE_ID"}}
-
-    RETURN_TYPES = ("LATENT", "STRING")
-    RETURN_NAMES = ("latent", "summary_json")
-    FUNCTION = "resume"
-    CATEGORY = CATEGORY
-
-    def resume(self, cache, probe, decision, sparse_attention, attention_density=1.0, unique_id=None):
+    def execute(cls, cache, probe, decision, sparse_attention, attention_density=1.0) -> io.NodeOutput:
         node = "Carnator Trajectory Resume"
         store = _check_store(node, cache)
         bundle = _check_probe(node, probe)
@@ -341,61 +400,50 @@ class CarnatorTrajectoryResume:
         config = dataclasses.replace(decision.config, sparse_attention=bool(sparse_attention),
                                      max_density=check_attention_density(node, attention_density))
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
-        result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed)
+        result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
+                                 bundle.model_name)
         summary = result.summary()
-        send_decision(unique_id, summary)
-        return {"ui": {"text": [summary_text(summary)]},
-                "result": (_latent_out(runner, bundle.latent_extra, result.latent), to_json(summary))}
+        send_decision(_hidden(cls, "unique_id"), summary)
+        return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), to_json(summary),
+                             ui=ui.PreviewText(summary_text(summary)))
 
 
-class CarnatorSampler:
-    DESCRIPTION = ("KSampler with cross-request reuse: probes the request, looks up earlier generations, and "
-                   "resumes a compatible one's trajectory (or runs the rest and stores it).")
+class CarnatorSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        model, *request = _request_inputs()
+        return io.Schema(
+            node_id="CarnatorSampler", display_name="Carnator Sampler", category=CATEGORY,
+            description="KSampler with cross-request reuse: probes the request, looks up earlier generations, and "
+                        "resumes a compatible one's trajectory (or runs the rest and stores it).",
+            inputs=[model, _cache_input(), *request, _risk_input(), _sparse_attention_input(),
+                    _attention_density_input(), *_expert_inputs()],
+            outputs=[_latent_output(), _summary_output()],
+            hidden=list(_HIDDEN),
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        inputs = _request_inputs()
-        inputs = {"model": inputs.pop("model"), "cache": ("CARNATOR_CACHE",), **inputs}
-        inputs["risk"] = _RISK
-        inputs["sparse_attention"] = ("BOOLEAN", {"default": True})
-        return {"required": inputs, "optional": {"attention_density": _ATTENTION_DENSITY, **_EXPERT_INPUTS},
-                "hidden": dict(_HIDDEN)}
-
-    RETURN_TYPES = ("LATENT", "STRING")
-    RETURN_NAMES = ("latent", "summary_json")
-    FUNCTION = "sample"
-    CATEGORY = CATEGORY
-
-    def sample(self, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-               probe_steps, risk, sparse_attention, attention_density=1.0, unique_id=None, prompt=None, **experts):
+    def execute(cls, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
+                probe_steps, risk, sparse_attention, attention_density=1.0, **experts) -> io.NodeOutput:
         node = "Carnator Sampler"
         store = _check_store(node, cache)
         config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention,
                              max_density=check_attention_density(node, attention_density))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
                                          sampler_name, scheduler, probe_steps, experts)
-        result = pipeline.generate(runner, noise, runner.sigmas, store, config,
-                                   prompt=prompt_text(prompt, unique_id), seed=int(seed))
+        graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
+        result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
+                                   seed=int(seed), model_name=model_label(graph, unique_id))
         summary = result.summary()
         send_decision(unique_id, summary)
-        return {"ui": {"text": [summary_text(summary)]},
-                "result": (_latent_out(runner, latent.extra, result.latent), to_json(summary))}
+        return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), to_json(summary),
+                             ui=ui.PreviewText(summary_text(summary)))
 
 
-NODE_CLASS_MAPPINGS = {
-    "CarnatorCache": CarnatorCache,
-    "CarnatorEarlyProbe": CarnatorEarlyProbe,
-    "CarnatorSignatureCacheLookup": CarnatorSignatureCacheLookup,
-    "CarnatorCompatibilityGate": CarnatorCompatibilityGate,
-    "CarnatorTrajectoryResume": CarnatorTrajectoryResume,
-    "CarnatorSampler": CarnatorSampler,
-}
+NODES = [CarnatorCache, CarnatorEarlyProbe, CarnatorSignatureCacheLookup, CarnatorCompatibilityGate,
+         CarnatorTrajectoryResume, CarnatorSampler]
 
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "CarnatorCache": "Carnator Cache",
-    "CarnatorEarlyProbe": "Carnator Early Probe",
-    "CarnatorSignatureCacheLookup": "Carnator Signature Cache Lookup",
-    "CarnatorCompatibilityGate": "Carnator Compatibility Gate",
-    "CarnatorTrajectoryResume": "Carnator Trajectory Resume",
-    "CarnatorSampler": "Carnator Sampler",
-}
+
+class CarnatorExtension(ComfyExtension):
+    async def get_node_list(self) -> list:
+        return list(NODES)

@@ -132,6 +132,30 @@ def prompt_text(prompt, unique_id, input_name: str = "positive", depth: int = 8)
     return ""
 
 
+_MODEL_FILES = ("unet_name", "ckpt_name")   # inputs of the loaders a MODEL comes from (UNETLoader, checkpoints)
+
+
+def model_label(prompt, unique_id, depth: int = 8) -> str:
+    """Best effort: the model's file name as the loader feeding `model` names it, with the LoRAs met on the way
+    ("wan2.1_t2v.safetensors + style.safetensors"); "" when the graph does not say (the cache browser's label)."""
+    loras = []
+    try:
+        link = prompt[str(unique_id)]["inputs"].get("model")
+        for _ in range(depth):
+            if not (isinstance(link, list) and len(link) == 2):
+                return ""
+            inputs = prompt[str(link[0])].get("inputs", {})
+            if isinstance(inputs.get("lora_name"), str):
+                loras.append(inputs["lora_name"])
+            base = next((inputs[k] for k in _MODEL_FILES if isinstance(inputs.get(k), str)), None)
+            if base is not None:
+                return " + ".join([base] + loras[::-1])
+            link = inputs.get("model")
+    except (KeyError, TypeError, AttributeError):
+        pass
+    return ""
+
+
 def progress_callback(model, steps: int):
     """ComfyUI's progress bar (with latent previews when enabled) over all `steps` of the request."""
     try:
@@ -176,7 +200,7 @@ def _verdict(summary: dict) -> str:
         return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}; "
                 f"{cost}, expected {summary.get('expected_speedup')}x{stored}")
     reasons = summary.get("reasons") or ["no decision"]
-    over = [r for r in reasons if " over limit " in r or r.startswith("no ")]
+    over = [r for r in reasons if " over limit " in r or r.startswith("no ") or " differs in " in r]
     why = "; ".join([reasons[0]] + over[:2]) if over and over[0] != reasons[0] else reasons[0]
     return f"Carnator MISS ({risk}): {why}; {cost}{stored}"
 

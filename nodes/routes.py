@@ -23,7 +23,7 @@ import re
 import sys
 from typing import Optional
 
-from carnator_engine.backends import is_redis_url
+from carnator_engine.backends import holds_store, is_redis_url
 from carnator_engine.plain import json_safe
 from carnator_engine.store import CarnatorStore, StoreError
 
@@ -90,7 +90,7 @@ def resolve_store(cache: Optional[str]) -> Optional[CarnatorStore]:
     if directory != default:
         raise RequestError(400, f"{cache!r} is not a Carnator store of this ComfyUI: pick one of the stores "
                                 "listed by GET /carnator/stats")
-    if not os.path.exists(os.path.join(directory, "cache.db")):
+    if not holds_store(directory):
         return None
     try:
         return open_store(directory)
@@ -111,7 +111,7 @@ def record_json(record) -> dict:
     return json_safe({
         "id": record.entry_id,
         "prompt": record.prompt,
-        "model": extra.get("model") or extra.get("model_name") or "",
+        "model": extra.get("model") or "",     # the model's file name, or a short fingerprint of it
         "bucket": record.bucket,
         "seed": record.seed,
         "steps": record.steps,

@@ -10,29 +10,41 @@ import os
 import threading
 
 from carnator_engine.backends import is_redis_url
-from carnator_engine.store import CarnatorStore
+from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore
+
+DEFAULT_SIZE_LIMIT_GB = DEFAULT_SIZE_LIMIT / (1 << 30)   # the Carnator Cache node's default, in GiB
 
 _lock = threading.Lock()
 _stores: dict = {}
 
 
-def default_cache_dir() -> str:
+def user_directory() -> str:
+    """ComfyUI's user directory (user/ under its base directory), or ~/.cache without ComfyUI."""
     try:
         import folder_paths  # ComfyUI's module; absent when the engine is used on its own
-        return os.path.join(folder_paths.get_user_directory(), "carnator_cache")
+        return folder_paths.get_user_directory()
     except ImportError:
-        return os.path.join(os.path.expanduser("~"), ".cache", "carnator")
+        return os.path.join(os.path.expanduser("~"), ".cache")
+
+
+def default_cache_dir() -> str:
+    return os.path.join(user_directory(), "carnator_cache")
 
 
 def _key(location: str) -> str:
-    """The registry's key: the URL as given (it may hold a password, so it is never shown), or the directory."""
+    """The registry's key: the URL as given (it may hold a password, so it is never shown), or the directory a
+    Carnator Cache node's cache_dir names: empty = the default one; a relative path is taken inside the user
+    directory, never the server's working directory (which depends on how ComfyUI was started)."""
     location = location.strip()
     if is_redis_url(location):
         return location
-    return os.path.abspath(os.path.expanduser(location or default_cache_dir()))
+    directory = os.path.expanduser(location)
+    if not directory:
+        return os.path.abspath(default_cache_dir())
+    return os.path.abspath(os.path.join(user_directory(), directory))   # join keeps an absolute path as it is
 
 
-def open_store(location: str = "", size_limit_bytes: int = 8 << 30) -> CarnatorStore:
+def open_store(location: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT) -> CarnatorStore:
     key = _key(location)
     with _lock:
         store = _stores.get(key)

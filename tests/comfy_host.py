@@ -63,10 +63,12 @@ def default_store_dir(base: str) -> str:
     return os.path.join(base, "user", "carnator_cache")
 
 
-def build_tiny_wan(base: str) -> str:
-    """The host tests' tiny random Wan2.1 T2V model (ComfyUI's WanModel), saved into base/models/diffusion_models."""
+def build_tiny_wan(base: str, every: bool = False) -> str:
+    """The host tests' tiny random Wan2.1 T2V model (ComfyUI's WanModel), saved into base/models/diffusion_models;
+    `every`: the other tiny backbones too (hostsetup's names)."""
     folder = os.path.join(base, "models", "diffusion_models")
-    run = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "host", "make_tiny_wan.py"), folder],
+    run = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "host", "make_tiny_wan.py"), folder]
+                         + (["--all"] if every else []),
                          cwd=COMFYUI, check=True, capture_output=True, text=True, timeout=300)
     return run.stdout.strip().splitlines()[-1]
 
@@ -74,8 +76,9 @@ def build_tiny_wan(base: str) -> str:
 class ComfyServer:
     """`python main.py --cpu` on a free port, in its own process group; stopped (group killed) on exit."""
 
-    def __init__(self, base: str, port: Optional[int] = None, ready_timeout: float = 240.0):
+    def __init__(self, base: str, port: Optional[int] = None, ready_timeout: float = 240.0, extra_args: tuple = ()):
         self.base = base
+        self.extra_args = tuple(extra_args)
         self.port = port or free_port()
         self.ready_timeout = ready_timeout
         self.log_path = os.path.join(base, "comfyui.log")
@@ -90,7 +93,7 @@ class ComfyServer:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-                 "--disable-auto-launch", "--base-directory", self.base, "--preview-method", "none"],
+                 "--disable-auto-launch", "--base-directory", self.base, "--preview-method", "none", *self.extra_args],
                 cwd=COMFYUI, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self._wait_ready()

@@ -1,7 +1,7 @@
 """End to end in headless Chromium: a real ComfyUI (CPU) with the plugin; a workflow running a tiny Wan2.1
 model through the Carnator Sampler is queued three times from the web UI (a miss that stores an entry,
 another seed, then the first request again: an exact repeat of the first entry), the decision shows on the
-node, then the Carnator sidebar tab lists the first entry (prompt, thumbnail, its hit), deletes it from the
+node and still does after a page reload, then the Carnator sidebar tab lists the first entry (prompt, thumbnail, its hit), deletes it from the
 UI, then "Clear all" (cancelled once, confirmed once) empties the store.
 
 Needs the host (COMFYUI_PATH, default /opt/ComfyUI), Chromium (CARNATOR_CHROMIUM, default /usr/bin/chromium),
@@ -83,7 +83,7 @@ def test_cache_browser_and_decision_in_chromium(tmp_path):
         config = {
             "url": server.url, "screenshots": str(shots), "userDataDir": str(tmp_path / "chromium-profile"),
             "chromium": CHROMIUM, "expectPrompt": PROMPT, "workflow": workflow(os.path.basename(model_path)),
-            "queueCount": 3, "decisionNode": "6", "clearAll": True, "timeoutMs": 120000,
+            "queueCount": 3, "decisionNode": "6", "reloadCheck": True, "clearAll": True, "timeoutMs": 120000,
             # run 2: other noise, a new request; run 3: the first request again (the new cache size limit only
             # makes ComfyUI run the Carnator Sampler rather than answer from its own output cache)
             "changesBeforeRun": {"2": [{"node": "6", "widget": "seed", "value": 43}],
@@ -111,6 +111,8 @@ def test_cache_browser_and_decision_in_chromium(tmp_path):
     assert result["decision"]["entry_id"] == first["stored_as"] and result["decision"]["exact_repeat"]
     assert result["badge"] == "REPEAT · 0 model calls"
     assert result["widgetText"].startswith(f"REPEAT: the stored result of entry {first['stored_as']}")
+    # a page reload keeps the node's last decision on display (the node's properties, saved with the workflow)
+    assert result["afterReload"] == {"badge": result["badge"], "widgetText": result["widgetText"]}
 
     # the sidebar listed the first entry with its prompt, thumbnail and hit; its delete button removed it
     assert result["entryId"] == first["stored_as"] and result["promptText"] == PROMPT

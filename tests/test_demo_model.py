@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from carnator_engine import __main__ as cli
 from carnator_engine.backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT, load_tiny_dit, tokenize
 from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, world
 from carnator_engine.demo import train
@@ -66,7 +67,7 @@ def test_demo_model_generates_what_the_prompt_asks():
                          steps=DEMO_STEPS, guidance=DEMO_GUIDANCE)
     assert clips.shape == (16, *world.CLIP_SHAPE) and torch.isfinite(clips).all()
     scores = world.attribute_accuracy(attributes, world.analyze_batch(clips.clamp(-1, 1)))
-    # Measured on 512 prompts (benchmarks/results/demo_model_accuracy.json): colour, direction,
+    # Measured on 512 prompts (benchmarks/results/demo_model/demo_model_accuracy.json): colour, direction,
     # background and speed >= 99%, size ~94%, shape ~66% (its squares come out rounded and read as
     # circles); 16 samples are few, so the floors leave a margin of two or more misreads.
     floors = {name: 0.85 for name in world.ATTRIBUTES}
@@ -99,7 +100,9 @@ def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, 
     assert repeat["exact_repeat"] and repeat["model_calls"] == 0
     assert rows["size edit"]["reuse"] and not rows["size edit"]["exact_repeat"]
     assert 0 < rows["size edit"]["model_calls"] < DEMO_STEPS
-    assert "same prompt, same seed         repeat" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "same prompt, same seed         repeat" in out
+    assert out.rstrip().endswith(cli.demo_legend(DEMO_STEPS, 3, 6, ", ".join(world.ATTRIBUTES)))
 
 
 def test_demo_without_weights_names_the_missing_file(tmp_path, capsys):

@@ -32,7 +32,8 @@ def host(tmp_path_factory, tiny_model):
     for seed, prompt in enumerate(PROMPTS):
         noise = torch.randn((1, 3, 8, 32, 32), generator=torch.Generator().manual_seed(seed))
         result = generate(TinyDiTRunner(tiny_model, prompt), noise, flow_sigmas(6), store,
-                          CarnatorConfig(probe_steps=2), prompt=prompt, seed=seed)
+                          CarnatorConfig(probe_steps=2), prompt=prompt, seed=seed,
+                          model_name="wan2.1_t2v_1.3B_fp16.safetensors" if seed == 0 else "")
         ids.append(result.entry_id)
     with comfy_host.ComfyServer(base) as server:
         yield server, store, ids
@@ -49,7 +50,8 @@ def test_plugin_loaded_with_its_web_directory(host):
 
 
 @pytest.mark.parametrize("prefix", ["", "/api"])
-def test_listing_stats_and_thumbnail(host, prefix):
+def test_listing_stats_and_thumbnail(host, prefix, tiny_model):
+    from carnator_engine.euler import TinyDiTRunner
     server, store, ids = host
     status, listing = server.json("GET", f"{prefix}/carnator/entries")
     assert status == 200, listing
@@ -57,6 +59,9 @@ def test_listing_stats_and_thumbnail(host, prefix):
     by_id = {entry["id"]: entry for entry in listing["entries"]}
     assert set(ids) <= set(by_id)
     assert by_id[ids[0]]["prompt"] == PROMPTS[0] and by_id[ids[0]]["steps"] == 6
+    # the model is named: its file name where the workflow says it, else a short fingerprint of its weights
+    assert by_id[ids[0]]["model"] == "wan2.1_t2v_1.3B_fp16.safetensors"
+    assert by_id[ids[1]]["model"] == TinyDiTRunner(tiny_model, "").model_fingerprint[:12]
 
     status, content_type, png = server.request("GET", f"{prefix}/carnator/entries/{ids[0]}/thumbnail")
     assert status == 200 and content_type == "image/png"

@@ -160,6 +160,20 @@ def test_another_model_never_matches(tiny_model, store):
     result = _run(other, store, "a red circle moving left", 1)
     assert not result.decision.reuse
     assert "no earlier generation" in result.decision.reasons[0]
+    assert result.decision.reasons[1].endswith("differs in model/patches (weights, LoRAs or their strengths)")
+
+
+def test_a_miss_for_want_of_a_bucket_says_which_part_differs(tiny_model, store):
+    first = _run(tiny_model, store, "a red circle moving left", 1)
+    assert first.decision.reasons[1:] == ["the cache holds no generation yet"]
+    assert store.record(first.entry_id).extra["model"] == TinyDiTRunner(tiny_model, "").model_fingerprint[:12]
+    nearest = f"the nearest cached generation, entry {first.entry_id}, differs in "
+    fewer = generate(TinyDiTRunner(tiny_model, "a red circle moving left"), _noise(1), flow_sigmas(10), store,
+                     _config(), "a red circle moving left", 1)
+    assert fewer.decision.reasons[1] == nearest + "steps (10 here, 12 there)"
+    guided = generate(TinyDiTRunner(tiny_model, "a red circle moving left", guidance_scale=3.0), _noise(1), SIGMAS,
+                      store, _config(), "a red circle moving left", 1)
+    assert guided.decision.reasons[1].endswith("differs in cfg/guidance (cfg=3 here, cfg=1 there)")
 
 
 def test_full_connectivity_resume_equals_dense_resume(tiny_model, tmp_path):

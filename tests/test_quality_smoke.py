@@ -23,7 +23,8 @@ def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
     assert quality.main(common + ["--out", str(tmp_path / "first.json")]) == 0
     assert (tmp_path / "reference.pt").exists()
     assert quality.main(common + ["--out", str(tmp_path / "second.json")]) == 0
-    first, second = (json.loads((tmp_path / name).read_text()) for name in ("first.json", "second.json"))
+    reports = _script("reports")
+    first, second = (reports.read(str(tmp_path / name)) for name in ("first.json", "second.json"))
     timeless = lambda report: {kind: {method: {k: v for k, v in summary.items() if k != "seconds_per_request"}  # noqa: E731
                                       for method, summary in table.items()}
                                for kind, table in report["results"].items()}
@@ -36,6 +37,8 @@ def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
     suite = _script("quality_suite")
     (tmp_path / "suite").mkdir()
     (tmp_path / "suite" / "quality_balanced.json").write_text((tmp_path / "first.json").read_text())
+    assert "rows" not in json.loads((tmp_path / "first.json").read_text())   # the summary alone, rows gzipped
+    assert first["rows_file"] == "first.rows.json.gz" and (tmp_path / "first.rows.json.gz").exists()
     markdown = suite.tables(str(tmp_path / "suite"))
     assert "| iteration | Carnator, refine off | " in markdown and "| adversarial | no reuse | 0% | 0% | 100.0 |" in markdown
 
@@ -85,7 +88,7 @@ def test_gate_ceiling_takes_the_furthest_safe_resume_of_each_request(tmp_path):
     out = tmp_path / "ceiling.json"
     assert ceiling.main(["--stream", "3", "--restart-every", "3", "--steps", "8", "--probe-steps", "2",
                          "--candidates", "2", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
+    report = _script("reports").read(str(out))
     cold, *warm = report["rows"]
     assert cold["trials"] == [] and cold["oracle_resume_step"] == 2
     for row in warm:
@@ -158,3 +161,37 @@ def test_each_carnator_method_names_its_refine_switch_whatever_the_default():
     assert not quality.carnator_config("carnator_no_localize", args).localize
     args.gate_overrides = {"refine_target": True}                      # --gate still decides when given
     assert quality.carnator_config("carnator", args).policy().refine_target
+
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+GROUPS = {"quality", "gpu", "kernels", "store", "demo_model", "screenshots"}
+
+
+def test_results_are_grouped_by_benchmark_and_every_report_keeps_its_rows():
+    import gzip
+    flat = [name for name in os.listdir(RESULTS) if not os.path.isdir(os.path.join(RESULTS, name))]
+    assert flat == [], "benchmarks/results/ holds only one folder per benchmark"
+    assert set(os.listdir(RESULTS)) <= GROUPS
+    for folder in os.listdir(RESULTS):
+        for name in os.listdir(os.path.join(RESULTS, folder)):
+            if not name.endswith(".json"):
+                continue
+            with open(os.path.join(RESULTS, folder, name)) as handle:
+                report = json.load(handle)
+            assert "rows" not in report, f"{folder}/{name}: per-request rows belong in its .rows.json.gz"
+            if "rows_file" in report:
+                with gzip.open(os.path.join(RESULTS, folder, report["rows_file"]), "rt") as handle:
+                    rows = json.load(handle)
+                assert rows, f"{folder}/{report['rows_file']} is empty"
+
+
+def test_every_file_results_md_names_exists():
+    import re
+    with open(os.path.join(ROOT, "benchmarks", "RESULTS.md")) as handle:
+        text = handle.read()
+    linked = re.findall(r"\]\((results/[^)\s]+)\)", text)
+    assert linked, "RESULTS.md links its tables' files"
+    missing = [path for path in linked if not os.path.exists(os.path.join(ROOT, "benchmarks", path))]
+    assert missing == []
+    named = re.findall(r"`(results/[^`*{]+)`", text)          # plain mentions (no wildcard) must exist too
+    assert [p for p in named if not os.path.exists(os.path.join(ROOT, "benchmarks", p))] == []

@@ -1,6 +1,8 @@
 """The shipped workflow loaded by the real ComfyUI frontend (headless Chromium, a CPU server with the plugin):
 every node type is known, and the API prompt the web app builds from it gives each Carnator input the value
-the workflow means (the frontend, not our own reading of widgets_values, decides that mapping).
+the workflow means (the frontend, not our own reading of widgets_values, decides that mapping). Then that very
+prompt runs on the server, its Carnator nodes untouched: only the model files it names (Wan 2.1 1.3B, umT5, the
+VAE) are swapped for the tests' tiny Wan and a test conditioning node, and the clip is made small.
 
 Needs the host (COMFYUI_PATH), Chromium, node and playwright-core (cd tests/browser && npm install);
 skipped with the reason otherwise.
@@ -12,14 +14,34 @@ import subprocess
 import pytest
 
 import comfy_host
-from test_browser_e2e import BROWSER_DIR, CHROMIUM, NODE, REASON, seed_user_settings
+from test_browser_e2e import BROWSER_DIR, CHROMIUM, FIXTURE_NODES, NODE, REASON, seed_user_settings
 
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 WORKFLOW = os.path.join(comfy_host.ROOT, "workflows", "carnator_wan21_t2v.json")
 
 
-def test_frontend_reads_the_workflow_as_meant(tmp_path):
-    base = comfy_host.make_base(str(tmp_path / "base"))
+def run_on_the_server(server, prompt: dict, model_name: str) -> dict:
+    """Queues the frontend's prompt with the model files swapped for test ones; returns its history entry."""
+    prompt = json.loads(json.dumps(prompt))
+    prompt["1"]["inputs"]["unet_name"] = model_name
+    for node_id, seed in (("3", 1), ("4", 2)):            # CLIPTextEncode (umT5) -> a test conditioning node
+        prompt[node_id] = {"class_type": "E2ETextConditioning",
+                           "inputs": {"text": prompt[node_id]["inputs"]["text"], "seed": seed}}
+    del prompt["2"]                                         # the CLIPLoader has nothing left to feed
+    prompt["5"]["inputs"].update(width=64, height=64, length=9)
+    for node_id in ("8", "9", "10"):                         # no VAE: save the latent instead of a video
+        del prompt[node_id]
+    prompt["12"] = {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": "carnator/wf"}}
+    status, queued = server.json("POST", "/api/prompt", {"prompt": prompt})
+    assert status == 200, queued
+    return server.wait_history(queued["prompt_id"])
+
+
+def test_frontend_reads_the_workflow_as_meant_and_runs_it(tmp_path):
+    from carnator_engine.store import CarnatorStore
+
+    base = comfy_host.make_base(str(tmp_path / "base"), extra_nodes=(FIXTURE_NODES,))
+    model_name = os.path.basename(comfy_host.build_tiny_wan(base))
     seed_user_settings(base)
     with open(WORKFLOW) as handle:
         workflow = json.load(handle)
@@ -29,11 +51,20 @@ def test_frontend_reads_the_workflow_as_meant(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(config))
         run = subprocess.run([NODE, os.path.join(BROWSER_DIR, "load_workflow.mjs"), str(tmp_path / "config.json")],
                              cwd=BROWSER_DIR, capture_output=True, text=True, timeout=600)
+        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+        assert lines, f"no result (rc {run.returncode}):\n{run.stderr[-3000:]}\n{server.log()[-3000:]}"
+        result = json.loads(lines[-1])
+        assert "error" not in result, result["error"]
+        history = run_on_the_server(server, result["prompt"], model_name)
         server_log = server.log()
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result (rc {run.returncode}):\n{run.stderr[-3000:]}\n{server_log[-3000:]}"
-    result = json.loads(lines[-1])
-    assert "error" not in result, result["error"]
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"])[-3000:] + server_log[-3000:]
+    shown = history["outputs"]["7"]["text"][0]
+    assert shown.startswith("Carnator MISS (balanced)") and "30 model steps of 30" in shown, shown
+    store = CarnatorStore(comfy_host.default_store_dir(base), 1 << 30)   # the workflow's cache_dir "" = the default
+    try:
+        assert [r.steps for r in store.records()] == [30]
+    finally:
+        store.close()
     assert result["missing"] == []
     prompt = result["prompt"]
     sampler = prompt["7"]
@@ -41,7 +72,8 @@ def test_frontend_reads_the_workflow_as_meant(tmp_path):
     assert sampler["inputs"] == {
         "model": ["1", 0], "cache": ["6", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0],
         "seed": 12345, "steps": 30, "cfg": 6.0, "sampler_name": "euler", "scheduler": "simple", "probe_steps": 3,
-        "risk": "balanced", "sparse_attention": True, "attention_density": 1.0}
+        "risk": "balanced", "sparse_attention": True, "attention_density": 1.0,
+        "switch_step": 0, "boundary_sigma": 0.875}          # widgets added since the workflow was saved: defaults
     assert prompt["6"] == {"class_type": "CarnatorCache", "inputs": {"cache_dir": "", "size_limit_gb": 8.0},
                            "_meta": prompt["6"].get("_meta")}
     assert result["nodes"]["7"]["widgets"]["control_after_generate"] == "fixed"
@@ -51,3 +83,94 @@ def test_frontend_reads_the_workflow_as_meant(tmp_path):
     assert "11" not in prompt                                   # the note stays in the web app
     ours = [e for e in result["consoleErrors"] if "carnator" in e.lower()]
     assert not ours, ours
+
+
+# ---- every shipped workflow: read by the frontend, then run through the HTTP API with tiny models ----------------
+
+WORKFLOWS = sorted(name for name in os.listdir(os.path.join(comfy_host.ROOT, "workflows")) if name.endswith(".json"))
+FIXTURE_NODES = os.path.join(comfy_host.ROOT, "tests", "host", "fixture_nodes", "carnator_e2e_fixture")
+LOADERS = {"CLIPLoader", "DualCLIPLoader", "VAELoader", "VAEDecode", "SaveAnimatedWEBP"}   # no tiny files for these
+TINY_MODELS = {   # the workflow's diffusion models (UNETLoader / CheckpointLoaderSimple nodes by id) -> tiny ones
+    "carnator_wan21_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN},
+    "carnator_staged_chain_wan21.json": {"1": comfy_host.hostsetup.TINY_WAN},
+    "carnator_wan22_a14b_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN22_HIGH, "2": comfy_host.hostsetup.TINY_WAN22_LOW},
+    "carnator_hunyuan_video_t2v.json": {"1": comfy_host.hostsetup.TINY_HUNYUAN},
+    "carnator_ltxv_t2v.json": {"1": comfy_host.hostsetup.TINY_LTXV},
+}   # Wan 2.2 5B: read by the frontend only (no tiny 48-channel model; its latent node needs the Wan 2.2 VAE)
+LAYOUTS = {"carnator_hunyuan_video_t2v.json": "hunyuan_video", "carnator_ltxv_t2v.json": "ltxv"}
+
+
+def tiny_prompt(prompt: dict, name: str, cache_dir: str) -> dict:
+    """The frontend's API prompt for `name`, runnable here: tiny diffusion models, the test fixture's conditioning
+    instead of text encoders, a small latent and 10 steps (probe 2, switch 5), SaveLatent instead of decoding."""
+    out = {}
+    for node_id, node in prompt.items():
+        kind, inputs = node["class_type"], dict(node["inputs"])
+        if kind in LOADERS:
+            continue
+        if kind in ("UNETLoader", "CheckpointLoaderSimple"):
+            kind, inputs = "UNETLoader", {"unet_name": TINY_MODELS[name][node_id], "weight_dtype": "default"}
+        elif kind == "CLIPTextEncode":
+            kind, inputs = "E2ETextConditioning", {"text": inputs["text"], "seed": int(node_id),
+                                                   "layout": LAYOUTS.get(name, "wan")}
+        elif kind in ("EmptyHunyuanLatentVideo", "EmptyLTXVLatentVideo"):
+            inputs.update(width=64, height=64, length=9)
+        elif kind == "CarnatorCache":
+            inputs["cache_dir"] = cache_dir
+        elif kind in ("CarnatorSampler", "CarnatorEarlyProbe"):
+            inputs.update(steps=10, probe_steps=2, **({"switch_step": 5} if "low_noise_model" in inputs else {}))
+        if kind in ("CarnatorSampler", "CarnatorTrajectoryResume"):
+            out["900"] = {"class_type": "SaveLatent", "inputs": {"samples": [node_id, 0],
+                                                                 "filename_prefix": f"carnator_wf/{name[:-5]}"}}
+        out[node_id] = {"class_type": kind, "inputs": inputs}
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("workflows")
+    base = comfy_host.make_base(str(root / "base"), extra_nodes=(FIXTURE_NODES,))
+    comfy_host.build_tiny_wan(base, every=True)
+    seed_user_settings(base)
+    # PyTorch attention on the CPU too: the default sub-quadratic one rejects LTX-Video's text mask
+    with comfy_host.ComfyServer(base, extra_args=("--use-pytorch-cross-attention",)) as server:
+        yield server, root
+
+
+def carnator_text(history: dict) -> list:
+    return [text for output in history.get("outputs", {}).values() for text in output.get("text", [])
+            if text.startswith("Carnator ")]
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_every_workflow_loads_in_the_frontend_and_runs_with_tiny_models(served, name):
+    server, root = served
+    with open(os.path.join(comfy_host.ROOT, "workflows", name)) as handle:
+        workflow = json.load(handle)
+    config = {"url": server.url, "workflow": workflow, "userDataDir": str(root / f"profile-{name}"),
+              "chromium": CHROMIUM, "timeoutMs": 120000}
+    (root / f"{name}.config.json").write_text(json.dumps(config))
+    run = subprocess.run([NODE, os.path.join(BROWSER_DIR, "load_workflow.mjs"), str(root / f"{name}.config.json")],
+                         cwd=BROWSER_DIR, capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result (rc {run.returncode}):\n{run.stderr[-3000:]}\n{server.log()[-3000:]}"
+    result = json.loads(lines[-1])
+    assert "error" not in result and result["missing"] == [], result.get("error") or result["missing"]
+    assert not [e for e in result["consoleErrors"] if "carnator" in e.lower()]
+    if name not in TINY_MODELS:
+        return
+    prompt = tiny_prompt(result["prompt"], name, str(root / "caches" / name))
+    runs = []
+    for size in (1.0, 1.5):    # the same request again (a new size limit makes ComfyUI run it, not its output cache)
+        for node in prompt.values():
+            if node["class_type"] == "CarnatorCache":
+                node["inputs"]["size_limit_gb"] = size
+        status, queued = server.json("POST", "/api/prompt", {"prompt": prompt, "client_id": "carnator-workflows"})
+        assert status == 200, queued
+        history = server.wait_history(queued["prompt_id"], timeout=600)
+        assert history["status"]["status_str"] == "success", f"{history['status']}\n{server.log()[-4000:]}"
+        runs.append(carnator_text(history))
+    # a miss, stored; then its exact repeat answered with no model call (the staged chain's Early Probe has the
+    # cache connected, so it too runs no probe step)
+    assert any(text.startswith("Carnator MISS") for text in runs[0]), runs[0]
+    assert any(text.startswith("Carnator REPEAT") and " 0 model steps" in text for text in runs[1]), runs[1]

@@ -17,11 +17,22 @@ Two backends, one file each: `disk` (diskcache + blob files, the default, no ser
 """
 from __future__ import annotations
 
+import os
+
 REDIS_SCHEMES = ("redis://", "rediss://")
 
 
 def is_redis_url(location: str) -> bool:
     return location.strip().lower().startswith(REDIS_SCHEMES)
+
+
+def holds_store(location: str) -> bool:
+    """Whether a store lives at `location` already, found without creating one: a directory once it has the disk
+    backend's database; a redis:// URL names a server, which only opening the store can ask."""
+    if is_redis_url(location):
+        return True
+    from .disk import DB_FILES
+    return os.path.isfile(os.path.join(os.path.expanduser(location), DB_FILES[0]))
 
 
 def open_backend(location: str):

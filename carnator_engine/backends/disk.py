@@ -184,7 +184,21 @@ class DiskBackend:
                              f"{_advice(error)}") from error
 
     def metas(self):
-        def work():
+        """Every (id, metadata bytes or None). One SQL scan of diskcache's table where its layout is the one this
+        was written for (diskcache 5: raw text keys, raw bytes values inline); key by key through diskcache's API
+        otherwise. A per-key read costs ~0.1 ms: 10 s at 100k entries, against ~1 s for the scan."""
+        def scan():
+            connection = sqlite3.connect(f"file:{os.path.join(self.location, 'cache.db')}?mode=ro", uri=True,
+                                         timeout=30)
+            try:
+                rows = connection.execute("SELECT key, mode, filename, value FROM Cache "
+                                          "WHERE raw = 1 AND key >= 'm:' AND key < 'm;'").fetchall()
+            finally:
+                connection.close()
+            return [(key[2:], value if mode == diskcache.core.MODE_RAW and filename is None else
+                     self._cache.get(key)) for key, mode, filename, value in rows]
+
+        def one_by_one():
             found = []
             for key in self._cache.iterkeys():
                 if isinstance(key, str) and key.startswith("m:"):
@@ -193,6 +207,12 @@ class DiskBackend:
                     except Exception:  # noqa: BLE001 - one unreadable value must not hide the others
                         found.append((key[2:], None))
             return found
+
+        def work():
+            try:
+                return scan()
+            except sqlite3.Error:
+                return one_by_one()
         return self._guard("list its entries", work)
 
     def cursor(self) -> int:

@@ -9,6 +9,6 @@ from __future__ import annotations
 import os
 
 DEMO_WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_dit.safetensors")
-# How the shipped weights sample best (benchmarks/results/demo_model_accuracy.json has the sweep).
+# How the shipped weights sample best (benchmarks/results/demo_model/demo_model_accuracy.json has the sweep).
 DEMO_STEPS = 20
 DEMO_GUIDANCE = 2.0

@@ -10,10 +10,12 @@
 //          output cache),
 //          entryId (entry to find and delete; default: the entry the first run stored, else the first
 //          entry showing expectPrompt),
-//          decisionNode (optional node id whose "carnator.decision" badge must appear),
+//          decisionNode (optional node id whose "carnator.decision" badge must appear; with reloadCheck, the
+//          page is then reloaded and the node's badge and text read again),
 //          clearAll (then try "Clear all": cancel once, confirm once), timeoutMs}
 // Prints one JSON line: {entryId, entryText, decision (last, as the node holds it), decisions (all events),
-//                        badge, widgetText, thumbnail, stats, remaining, screenshots, deleted, consoleErrors}.
+//                        badge, widgetText, afterReload {badge, widgetText}, thumbnail, stats, remaining,
+//                        screenshots, deleted, consoleErrors}.
 // Needs playwright-core (cd tests/browser && npm install); never downloads a browser.
 
 import fs from "node:fs";
@@ -79,6 +81,20 @@ try {
   let badge = null;
   let widgetText = null;
   let decisions = [];
+  let afterReload = null;
+  const readDecision = (nodeId) => page.evaluate((id) => {
+    const node = window.app.graph.getNodeById(id) || window.app.graph.getNodeById(Number(id));
+    const widget = (node.widgets || []).find((w) => w.name === "carnator_decision");
+    return {
+      decision: node.carnatorDecision,
+      badge: node.carnatorBadge && node.carnatorBadge.visible ? node.carnatorBadge.spec.text : null,
+      widgetText: widget ? widget.element.textContent : null,
+    };
+  }, nodeId);
+  const waitForDecision = (nodeId) => page.waitForFunction((id) => {
+    const node = window.app.graph.getNodeById(id) || window.app.graph.getNodeById(Number(id));
+    return node && node.carnatorDecision;
+  }, nodeId, { timeout });
   if (config.workflow) {
     await page.evaluate(async (workflow) => {
       window.__carnatorDecisions = [];
@@ -105,20 +121,21 @@ try {
   }
   if (config.decisionNode !== undefined && config.decisionNode !== null) {
     const id = String(config.decisionNode);
-    await page.waitForFunction((nodeId) => {
-      const node = window.app.graph.getNodeById(nodeId) || window.app.graph.getNodeById(Number(nodeId));
-      return node && node.carnatorDecision;
-    }, id, { timeout });
-    ({ decision, badge, widgetText } = await page.evaluate((nodeId) => {
-      const node = window.app.graph.getNodeById(nodeId) || window.app.graph.getNodeById(Number(nodeId));
-      const widget = (node.widgets || []).find((w) => w.name === "carnator_decision");
-      return {
-        decision: node.carnatorDecision,
-        badge: node.carnatorBadge && node.carnatorBadge.visible ? node.carnatorBadge.spec.text : null,
-        widgetText: widget ? widget.element.textContent : null,
-      };
-    }, id));
+    await waitForDecision(id);
+    ({ decision, badge, widgetText } = await readDecision(id));
     log(`decision on node ${id}: ${badge}`);
+    if (config.reloadCheck) {
+      await page.waitForTimeout(500);   // the web app saves the open workflow as it changes
+      log("reload the page");
+      await page.reload({ waitUntil: "domcontentloaded" });
+      await page.waitForFunction(() => window.app && window.app.graph && window.app.graph.nodes.length > 0, null,
+        { timeout });
+      await waitForDecision(id);
+      const { badge: reloadedBadge, widgetText: reloadedText } = await readDecision(id);
+      afterReload = { badge: reloadedBadge, widgetText: reloadedText };
+      log(`after the reload, node ${id}: ${reloadedBadge}`);
+      await page.locator(".carnator-tab-button").first().waitFor({ state: "visible", timeout });
+    }
     // frame the node so the badge and the widget are in the picture
     await page.evaluate((nodeId) => {
       const app = window.app;
@@ -190,7 +207,7 @@ try {
   result = {
     cleared,
     entryId, listedAfter, promptText, entryText, thumbnail, stats, statsAfter, remaining, deleteStatus: answer.status(), deleted: true,
-    decision, decisions, badge, widgetText,
+    decision, decisions, badge, widgetText, afterReload,
   };
 } catch (error) {
   result = { error: String(error && error.stack ? error.stack : error) };

@@ -4,7 +4,7 @@ import test from "node:test";
 
 import {
   decisionBadge, decisionLines, entryLines, formatAge, formatBytes, formatSpeedup, isCarnatorNodeType, modelLabel,
-  nodeIdPath, statsText,
+  nodeIdPath, savedDecision, statsText,
 } from "../../web/lib/format.js";
 
 test("bytes", () => {
@@ -80,6 +80,18 @@ test("decision badge and lines", () => {
   assert.equal(decisionBadge(null).text, "");
   assert.equal(decisionBadge({ error: "boom" }).text, "Carnator: error");
   assert.equal(formatSpeedup(12.345), "12.3×");
+});
+
+test("a saved decision keeps what the display reads, and the display reads the same from it", () => {
+  const decision = { node: "7", reuse: true, risk: "balanced", resume_step: 12, probe_steps: 3, steps: 30,
+    model_calls: 21, expected_speedup: 1.4286, reasons: ["reuse entry abc"], entry_id: "0123456789abcdef",
+    stored_as: "fedcba9876543210", warnings: [], numbers: { hidden: 0.01 }, seconds: { probe: 1.5 } };
+  const saved = JSON.parse(JSON.stringify(savedDecision(decision)));   // as the workflow's JSON holds it
+  assert.equal(saved.numbers, undefined);
+  assert.equal(saved.seconds, undefined);
+  assert.deepEqual(decisionLines(saved), decisionLines(decision));
+  assert.deepEqual(decisionBadge(saved), decisionBadge(decision));
+  assert.deepEqual(savedDecision(null), {});
 });
 
 test("node ids and types", () => {

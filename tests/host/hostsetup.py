@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_COMFYUI = "/opt/ComfyUI"
 PLUGIN_DIR_NAME = "comfyui-carnator"
 TINY_WAN = "carnator_test_tiny_wan21_t2v.safetensors"
+TINY_WAN22_HIGH, TINY_WAN22_LOW = "carnator_test_wan22_high.safetensors", "carnator_test_wan22_low.safetensors"
 
 _host: dict = {}
 
@@ -195,6 +196,22 @@ def load_plugin(nodes, custom_nodes_dir: str):
     if not asyncio.run(nodes.load_custom_node(link, ignore=set(), module_parent="custom_nodes")):
         raise RuntimeError(f"ComfyUI's loader refused the plugin at {link}: see the log above")
     return sys.modules[link.replace(".", "_x_")], link
+
+
+def run_node(node_class, *args, unique_id=None, prompt=None, **inputs):
+    """Runs a V3 node as ComfyUI's executor does: on a clone of its class holding the hidden inputs, with every input
+    by name (positional `args` follow the schema's input order). Returns the node's io.NodeOutput."""
+    from comfy_api.latest import io
+    names = [i.id for i in node_class.define_schema().inputs]
+    if len(args) > len(names):
+        raise TypeError(f"{node_class.__name__} takes {len(names)} inputs, got {len(args)}")
+    hidden = {io.Hidden.unique_id: unique_id, io.Hidden.prompt: prompt}
+    return node_class.PREPARE_CLASS_CLONE(hidden).EXECUTE_NORMALIZED(**dict(zip(names, args)), **inputs)
+
+
+def shown_text(output) -> str:
+    """The text a node shows on itself in the web UI (its ui output's "text")."""
+    return output.ui.as_dict()["text"][0]
 
 
 def conditioning(seed: int, scale: float = 1.0):

@@ -1,12 +1,15 @@
 """Saves the host tests' tiny random Wan2.1 T2V model (hostsetup.build_tiny_wan, ComfyUI's own WanModel)
-into a folder, for a ComfyUI server started in another process (tests/comfy_host.py).
+into a folder, for a ComfyUI server started in another process (tests/comfy_host.py); with --all also a
+two-expert Wan pair, a HunyuanVideo and an LTX-Video model (the workflow runs).
 
-Run with ComfyUI's python from the ComfyUI root: python make_tiny_wan.py DIRECTORY; prints the file path.
+Run with ComfyUI's python from the ComfyUI root: python make_tiny_wan.py DIRECTORY [--all]; prints the file
+path (the Wan model's last).
 """
 import os
 import sys
 
 directory = os.path.abspath(sys.argv[1])
+every = "--all" in sys.argv[2:]
 sys.argv = [sys.argv[0], "--cpu"]
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -17,4 +20,9 @@ comfy.options.enable_args_parsing()
 
 import hostsetup  # noqa: E402
 
+if every:
+    for name in (hostsetup.build_tiny_wan(directory, seed=11, name=hostsetup.TINY_WAN22_HIGH),
+                 hostsetup.build_tiny_wan(directory, seed=12, name=hostsetup.TINY_WAN22_LOW),
+                 hostsetup.build_tiny_hunyuan(directory), hostsetup.build_tiny_ltxv(directory)):
+        print(os.path.join(directory, name))
 print(os.path.join(directory, hostsetup.build_tiny_wan(directory)))

@@ -27,11 +27,11 @@ def main(models_dir, cache_dir, request_path, custom_nodes_dir, params_json):
     count.carnator_fingerprint = ""      # observes only, as conftest.CallCounter declares
     model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, "carnator_test_counter", count)
     request = torch.load(request_path)
-    cache = nodes.NODE_CLASS_MAPPINGS["CarnatorCache"]().open(cache_dir, 1.0)[0]
-    out = nodes.NODE_CLASS_MAPPINGS["CarnatorSampler"]().sample(
-        model, cache, [[request["positive"], {}]], [[request["negative"], {}]], {"samples": request["samples"]},
+    cache = hostsetup.run_node(nodes.NODE_CLASS_MAPPINGS["CarnatorCache"], cache_dir, 1.0)[0]
+    out = hostsetup.run_node(
+        nodes.NODE_CLASS_MAPPINGS["CarnatorSampler"], model, cache, [[request["positive"], {}]], [[request["negative"], {}]], {"samples": request["samples"]},
         params["seed"], params["steps"], params["cfg"], "euler", "simple", params["probe_steps"], "balanced", True)
-    print(json.dumps({"summary": json.loads(out["result"][1]), "calls": len(calls)}))
+    print(json.dumps({"summary": json.loads(out.result[1]), "calls": len(calls)}))
 
 
 if __name__ == "__main__":

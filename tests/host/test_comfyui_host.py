@@ -7,6 +7,8 @@ The engine's default gate thresholds are used throughout (no overrides needed on
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import math
 import os
@@ -26,23 +28,26 @@ HERE = Path(__file__).resolve().parent
 
 
 def node(comfy, name):
-    return comfy.NODE_CLASS_MAPPINGS[name]()
+    """The host's node `name`: a V3 node (Carnator's) to call with its inputs, as ComfyUI's executor runs it, or an
+    instance of a V1 core node."""
+    cls = comfy.NODE_CLASS_MAPPINGS[name]
+    return functools.partial(hostsetup.run_node, cls) if hasattr(cls, "define_schema") else cls()
 
 
 def open_cache(comfy, directory, size_gb=1.0):
-    return node(comfy, "CarnatorCache").open(str(directory), size_gb)[0]
+    return node(comfy, "CarnatorCache")(str(directory), size_gb)[0]
 
 
 def sample(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
            risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
            attention_density=1.0, **experts):
-    out = node(comfy, "CarnatorSampler").sample(model, cache, positive, negative, latent, seed, steps, cfg,
-                                                  sampler_name, "simple", probe_steps, risk, sparse_attention,
-                                                  attention_density, unique_id=unique_id, prompt=prompt, **experts)
-    latent_out, summary_json = out["result"]
+    out = node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
+                                         "simple", probe_steps, risk, sparse_attention, attention_density,
+                                         unique_id=unique_id, prompt=prompt, **experts)
+    latent_out, summary_json = out.result
     summary = json.loads(summary_json)
     verdict = "REPEAT" if summary["exact_repeat"] else "HIT" if summary["reuse"] else "MISS"
-    assert out["ui"]["text"][0].startswith("Carnator " + verdict)
+    assert hostsetup.shown_text(out).startswith("Carnator " + verdict)
     return latent_out, summary
 
 
@@ -152,13 +157,16 @@ def test_other_samplers_report_the_samplers_own_states(comfy, plugin, tiny_model
 def test_sampler_node_miss_then_hit_with_fewer_model_calls(comfy, plugin, counted, conds, latent, tmp_path):
     positive, negative = conds
     cache = open_cache(comfy, tmp_path / "cache")
-    graph = {"7": {"class_type": "CarnatorSampler", "inputs": {"positive": ["3", 0]}},
-             "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox in the snow", "clip": ["2", 0]}}}
+    graph = {"7": {"class_type": "CarnatorSampler", "inputs": {"positive": ["3", 0], "model": ["9", 0]}},
+             "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox in the snow", "clip": ["2", 0]}},
+             "9": {"class_type": "LoraLoaderModelOnly", "inputs": {"lora_name": "style.safetensors", "model": ["1", 0]}},
+             "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "wan.safetensors", "weight_dtype": "default"}}}
     first, miss = sample(comfy, counted.model, cache, positive, negative, latent, prompt=graph)
     miss_calls = counted.take()
     assert not miss["reuse"] and miss["stored_as"] and miss["model_calls"] == STEPS
     assert [r.entry_id for r in cache.records()] == [miss["stored_as"]]
-    assert cache.record(miss["stored_as"]).prompt == "a red fox in the snow"      # the cache browser's label
+    assert cache.record(miss["stored_as"]).prompt == "a red fox in the snow"      # the cache browser's labels
+    assert cache.record(miss["stored_as"]).extra["model"] == "wan.safetensors + style.safetensors"
     assert cache.thumbnail(miss["stored_as"]).startswith(b"\x89PNG")              # from Wan's latent->RGB
     assert first["samples"].shape == latent["samples"].shape
 
@@ -257,10 +265,12 @@ def test_model_patch_changes_the_bucket(comfy, plugin, tiny_model, counted, cond
     delta = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)) * 0.01
     patched = counted.model.clone()
     assert patched.add_patches({key: ("diff", (delta,))}, 1.0) == [key]
+    fresh = "no earlier generation of this model, shape and schedule is in the cache"
+    nearest = f"the nearest cached generation, entry {miss['stored_as']}, differs in "
     _, summary = sample(comfy, patched, cache, positive, negative, latent)
     assert not summary["reuse"]
-    assert summary["reasons"] == ["no earlier generation of this model, shape and schedule is in the cache "
-                                  "(this model: weight patches on 1 weights (LoRA-style))"]
+    assert summary["reasons"] == [fresh + " (this model: weight patches on 1 weights (LoRA-style))",
+                                  nearest + "model/patches (weights, LoRAs or their strengths)"]
 
     half = counted.model.clone()
     half.add_patches({key: ("diff", (delta,))}, 0.5)
@@ -271,11 +281,20 @@ def test_model_patch_changes_the_bucket(comfy, plugin, tiny_model, counted, cond
     _, again = sample(comfy, counted.model, cache, positive, negative, latent)   # the patched weights were in
     assert again["reuse"] and again["entry_id"] == miss["stored_as"]           # place: the base still matches
 
-    fresh = "no earlier generation of this model, shape and schedule is in the cache"
-    _, other_steps = sample(comfy, counted.model, cache, positive, negative, latent, steps=STEPS - 2)
+    # each part of the bucket on its own: the miss says which one differs from the nearest entry
     smaller = hostsetup.empty_video_latent(comfy, width=96, height=96, length=9)
-    _, other_shape = sample(comfy, counted.model, cache, positive, negative, smaller)
-    assert other_steps["reasons"] == [fresh] and other_shape["reasons"] == [fresh]
+    differs = {
+        "steps (8 here, 10 there)": dict(steps=STEPS - 2),
+        "latent shape (size or length) (1x16x3x12x12 here, 1x16x5x16x16 there)": dict(latent=smaller),
+        "cfg/guidance (cfg=4 here, cfg=5 there)": dict(cfg=4.0),
+        "sampler (heun here, euler there)": dict(sampler_name="heun"),
+    }
+    for part, change in differs.items():
+        request = dict(dict(positive=positive, negative=negative, latent=latent), **change)
+        _, summary = sample(comfy, counted.model, cache, **request)
+        assert summary["reasons"][0] == fresh
+        assert summary["reasons"][1].startswith("the nearest cached generation, entry ")
+        assert summary["reasons"][1].endswith(" differs in " + part), summary["reasons"]
 
 
 def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, conds, latent, tmp_path, monkeypatch):
@@ -288,14 +307,14 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
     monkeypatch.setitem(sys.modules, "server", fake_server)
 
     def run_stages(risk="balanced", request_positive=positive, probe_cache=None, **thresholds):
-        probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, request_positive, negative, latent, SEED, STEPS,
-                                                        CFG, "euler", "simple", PROBE, 64, unique_id="3", prompt=None,
-                                                        cache=probe_cache)[0]
-        matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
-        gate = node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, risk, unique_id="4", **thresholds)
-        decision, decision_json = gate["result"]
-        resumed = node(comfy, "CarnatorTrajectoryResume").resume(cache, probe, decision, True, unique_id="5")
-        return probe, matches, json.loads(decision_json), resumed["result"]
+        probe = node(comfy, "CarnatorEarlyProbe")(counted.model, request_positive, negative, latent, SEED, STEPS,
+                                                  CFG, "euler", "simple", PROBE, 64, unique_id="3", prompt=None,
+                                                  cache=probe_cache)[0]
+        matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
+        gate = node(comfy, "CarnatorCompatibilityGate")(probe, matches, risk, unique_id="4", **thresholds)
+        decision, decision_json = gate.result
+        resumed = node(comfy, "CarnatorTrajectoryResume")(cache, probe, decision, True, unique_id="5")
+        return probe, matches, json.loads(decision_json), resumed.result
 
     _, _, first_decision, (latent_out, summary_json) = run_stages(probe_cache=cache)   # nothing to repeat yet
     first_entry = json.loads(summary_json)["stored_as"]
@@ -322,29 +341,29 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
     assert torch.equal(repeated["samples"], latent_out["samples"])
     assert cache.record(first_entry).hits == 3                 # the hit, the repeat after probing, this one
     with pytest.raises(ValueError, match=r"Signature Cache Lookup: input 'cache': .*connect the same Carnator Cache"):
-        probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED, STEPS, CFG,
+        probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED, STEPS, CFG,
                                                         "euler", "simple", PROBE, 64, cache=cache)[0]
-        node(comfy, "CarnatorSignatureCacheLookup").lookup(open_cache(comfy, tmp_path / "other"), probe, 3)
+        node(comfy, "CarnatorSignatureCacheLookup")(open_cache(comfy, tmp_path / "other"), probe, 3)
 
-    other_probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED + 1, STEPS,
+    other_probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED + 1, STEPS,
                                                           CFG, "euler", "simple", PROBE, 64)[0]
     with pytest.raises(ValueError, match="input 'matches': comes from another probe"):
-        node(comfy, "CarnatorCompatibilityGate").decide(other_probe, matches, "balanced")
+        node(comfy, "CarnatorCompatibilityGate")(other_probe, matches, "balanced")
 
 
 def test_gate_node_without_shrinking_resumes_at_the_furthest_step(comfy, plugin, counted, conds, latent, tmp_path):
     positive, negative = conds
     cache = open_cache(comfy, tmp_path / "cache")
     sample(comfy, counted.model, cache, positive, negative, latent)
-    probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED + 1, STEPS, CFG,
+    probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED + 1, STEPS, CFG,
                                                     "euler", "simple", PROBE, 64)[0]
-    matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
+    matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
     gate = node(comfy, "CarnatorCompatibilityGate")
     loose = dict(max_attention=1.0, max_context=10.0, max_target_fraction=1.0)
-    measured = gate.decide(probe, matches, "aggressive", max_hidden=2.0, **loose)["result"][0].decision
+    measured = gate(probe, matches, "aggressive", max_hidden=2.0, **loose).result[0].decision
     near_the_limit = {**loose, "max_hidden": measured.numbers["hidden"] * 1.25}   # risk 0.8
-    shrunk = gate.decide(probe, matches, "aggressive", **near_the_limit)["result"][0].decision
-    furthest = gate.decide(probe, matches, "aggressive", shrink_with_risk=False, **near_the_limit)["result"][0].decision
+    shrunk = gate(probe, matches, "aggressive", **near_the_limit).result[0].decision
+    furthest = gate(probe, matches, "aggressive", shrink_with_risk=False, **near_the_limit).result[0].decision
     assert not shrunk.reuse, shrunk.reasons      # shrunk to step 2 + int(4 * 0.2): nothing left to save
     assert furthest.reuse and furthest.resume_step == int(0.65 * STEPS)   # aggressive's furthest resume
 
@@ -357,13 +376,13 @@ def test_hit_with_a_target_region_re_estimates_it_through_the_host_sampler(comfy
     loose = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, cell_threshold=0.05, max_target_fraction=1.0)
 
     def stages(**switch):
-        probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED + 1, STEPS,
+        probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED + 1, STEPS,
                                                         CFG, "euler", "simple", PROBE, 64)[0]
-        matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
-        decision = node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, "aggressive",
-                                                                   **switch, **loose)["result"][0]
+        matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
+        decision = node(comfy, "CarnatorCompatibilityGate")(probe, matches, "aggressive",
+                                                                   **switch, **loose).result[0]
         counted.take()
-        out = node(comfy, "CarnatorTrajectoryResume").resume(cache, probe, decision, True)["result"]
+        out = node(comfy, "CarnatorTrajectoryResume")(cache, probe, decision, True).result
         return decision.decision, counted.take(), json.loads(out[1]), out[0]
 
     decision, calls, summary, latent_out = stages()                 # the node's default refines
@@ -402,7 +421,7 @@ def test_composes_with_existing_attention_override_and_block_patch(comfy, plugin
 def test_ltx_video_model_miss_then_hit(comfy, plugin, conds, tmp_path, host_dirs):
     import comfy.ldm.modules.attention as attention
     name = hostsetup.build_tiny_ltxv(host_dirs["models"])
-    model = node(comfy, "UNETLoader").load_unet(name, "default")[0]
+    model = comfy.NODE_CLASS_MAPPINGS["UNETLoader"]().load_unet(name, "default")[0]
     assert type(model.model).__name__ == "LTXV"
 
     def masked_sdpa(func, *args, **kwargs):     # the CPU default (sub-quadratic) rejects LTXV's text mask
@@ -452,14 +471,14 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     hunyuan = types.SimpleNamespace(model=type("HunyuanVideoI2V", (), {"diffusion_model": None})())
     bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideoI2V .*image-to-video", model=hunyuan)
 
-    probe = node(comfy, "CarnatorEarlyProbe").probe(counted.model, positive, negative, latent, SEED, STEPS, CFG,
+    probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED, STEPS, CFG,
                                                     "euler", "simple", PROBE, 0)[0]
     assert probe.config.block_size == 64  # 0 = automatic: the CPU's block size here
-    matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
+    matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
     with pytest.raises(ValueError, match=r"gate setting max_attention=5.0 is outside \(0, 1\]"):
-        node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, "balanced", max_attention=5.0)
+        node(comfy, "CarnatorCompatibilityGate")(probe, matches, "balanced", max_attention=5.0)
     with pytest.raises(ValueError, match=r"input 'max_hidden': max_hidden=-1.0 must be >= 0"):
-        node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, "balanced", max_hidden=-1.0)
+        node(comfy, "CarnatorCompatibilityGate")(probe, matches, "balanced", max_hidden=-1.0)
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -468,6 +487,18 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     with pytest.raises(ValueError, match=r"input 'size_limit_gb': size_limit_gb=0.0001 is below the minimum"):
         open_cache(comfy, tmp_path / "cache", size_gb=0.0001)
     assert store_state(cache) == before
+
+
+def test_relative_cache_dir_is_inside_the_user_directory(comfy, plugin, tmp_path, monkeypatch):
+    import folder_paths
+    user = tmp_path / "user"
+    monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(user))
+    (tmp_path / "server_cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "server_cwd")               # wherever ComfyUI happened to be started from
+    assert open_cache(comfy, "my_cache").location == str(user / "my_cache")
+    assert open_cache(comfy, "  ").location == str(user / "carnator_cache")
+    assert open_cache(comfy, str(tmp_path / "absolute")).location == str(tmp_path / "absolute")
+    assert os.listdir(tmp_path / "server_cwd") == []
 
 
 def test_unsupported_model_error_names_the_class():
@@ -480,19 +511,59 @@ def test_unsupported_model_error_names_the_class():
 
 # ---- the plugin as ComfyUI loads it ------------------------------------------------------------
 
+# Input names in order, as the V1 nodes had them: a saved workflow's widgets_values are positional (inputs added
+# since, the Wan 2.2 experts' and the probe's cache, come last and are optional: older saves leave them at default).
+EXPERTS = ["low_noise_model", "switch_step", "boundary_sigma"]
+NODE_INPUTS = {
+    "CarnatorCache": ["cache_dir", "size_limit_gb"],
+    "CarnatorEarlyProbe": ["model", "positive", "negative", "latent_image", "seed", "steps", "cfg", "sampler_name",
+                           "scheduler", "probe_steps", "block_size", "cache", *EXPERTS],
+    "CarnatorSignatureCacheLookup": ["cache", "probe", "limit"],
+    "CarnatorCompatibilityGate": ["probe", "matches", "risk", "max_hidden", "max_attention", "max_context",
+                                  "cell_threshold", "max_target_fraction", "max_resume_fraction", "min_saved_steps",
+                                  "refine_target", "shrink_with_risk"],
+    "CarnatorTrajectoryResume": ["cache", "probe", "decision", "sparse_attention", "attention_density"],
+    "CarnatorSampler": ["model", "cache", "positive", "negative", "latent_image", "seed", "steps", "cfg",
+                        "sampler_name", "scheduler", "probe_steps", "risk", "sparse_attention", "attention_density",
+                        *EXPERTS],
+}
+DISPLAY_NAMES = {"CarnatorCache": "Carnator Cache", "CarnatorEarlyProbe": "Carnator Early Probe",
+                 "CarnatorSignatureCacheLookup": "Carnator Signature Cache Lookup",
+                 "CarnatorCompatibilityGate": "Carnator Compatibility Gate",
+                 "CarnatorTrajectoryResume": "Carnator Trajectory Resume", "CarnatorSampler": "Carnator Sampler"}
+NODE_OUTPUTS = {
+    "CarnatorCache": [("CARNATOR_CACHE", "cache")], "CarnatorEarlyProbe": [("CARNATOR_PROBE", "probe")],
+    "CarnatorSignatureCacheLookup": [("CARNATOR_MATCHES", "matches")],
+    "CarnatorCompatibilityGate": [("CARNATOR_DECISION", "decision"), ("STRING", "decision_json")],
+    "CarnatorTrajectoryResume": [("LATENT", "latent"), ("STRING", "summary_json")],
+    "CarnatorSampler": [("LATENT", "latent"), ("STRING", "summary_json")],
+}
+
+
 def test_plugin_loads_through_comfyui_custom_node_loader(comfy, plugin):
+    from comfy_api.latest import io
     module, install = plugin
-    ids = ["CarnatorCache", "CarnatorEarlyProbe", "CarnatorSignatureCacheLookup", "CarnatorCompatibilityGate",
-           "CarnatorTrajectoryResume", "CarnatorSampler"]
-    for name in ids:
-        cls = comfy.NODE_CLASS_MAPPINGS[name]
-        assert cls is module.NODE_CLASS_MAPPINGS[name]
-        assert cls.CATEGORY == "Carnator" and comfy.NODE_DISPLAY_NAME_MAPPINGS[name].startswith("Carnator ")
+    assert not hasattr(module, "NODE_CLASS_MAPPINGS")        # one node API: the versioned one (comfy_entrypoint)
+    listed = asyncio.run(module.comfy_entrypoint().get_node_list())
+    assert [cls.GET_SCHEMA().node_id for cls in listed] == list(NODE_INPUTS)
+    for cls in listed:
+        name = cls.GET_SCHEMA().node_id
+        assert comfy.NODE_CLASS_MAPPINGS[name] is cls and issubclass(cls, io.ComfyNode)
+        assert cls.CATEGORY == "Carnator" and cls.DESCRIPTION
+        assert comfy.NODE_DISPLAY_NAME_MAPPINGS[name] == DISPLAY_NAMES[name]
         assert cls.RELATIVE_PYTHON_MODULE == f"custom_nodes.{hostsetup.PLUGIN_DIR_NAME}"
-        info = cls.INPUT_TYPES()
-        assert set(info) <= {"required", "optional", "hidden"}
-    samplers = comfy.NODE_CLASS_MAPPINGS["CarnatorSampler"].INPUT_TYPES()["required"]["sampler_name"][0]
-    assert samplers == comfy.NODE_CLASS_MAPPINGS["KSampler"].INPUT_TYPES()["required"]["sampler_name"][0]
+        info = cls.GET_NODE_INFO_V1()                         # what GET /object_info serves the web app
+        assert info["input_order"]["required"] + info["input_order"].get("optional", []) == NODE_INPUTS[name]
+        assert list(zip(info["output"], info["output_name"])) == NODE_OUTPUTS[name]
+        untipped = [n for section in ("required", "optional") for n, (_, options) in info["input"].get(section, {}).items()
+                    if not options.get("tooltip")]
+        assert untipped == [], f"{name}: inputs without a tooltip"
+        assert all(info["output_tooltips"]), f"{name}: outputs without a tooltip"
+    from carnator_engine.store import DEFAULT_SIZE_LIMIT
+    size = comfy.NODE_CLASS_MAPPINGS["CarnatorCache"].INPUT_TYPES()["required"]["size_limit_gb"][1]["default"]
+    assert size * (1 << 30) == DEFAULT_SIZE_LIMIT                 # one default size limit: node, CLI, engine
+    options = comfy.NODE_CLASS_MAPPINGS["CarnatorSampler"].INPUT_TYPES()["required"]["sampler_name"][1]["options"]
+    assert options == comfy.NODE_CLASS_MAPPINGS["KSampler"].INPUT_TYPES()["required"]["sampler_name"][0]
     assert module.WEB_DIRECTORY == "./web"
     assert os.path.realpath(comfy.EXTENSION_WEB_DIRS[hostsetup.PLUGIN_DIR_NAME]) == str(hostsetup.REPO / "web")
     import carnator_engine

@@ -14,8 +14,7 @@ from conftest import CallCounter
 from test_comfyui_host import CFG, SEED, node, nudged, open_cache, sample, store_state
 
 STEPS, PROBE, SWITCH = 10, 2, 5
-HIGH, LOW, DEEPER = "carnator_test_wan22_high.safetensors", "carnator_test_wan22_low.safetensors", \
-    "carnator_test_wan22_3_blocks.safetensors"
+HIGH, LOW, DEEPER = hostsetup.TINY_WAN22_HIGH, hostsetup.TINY_WAN22_LOW, "carnator_test_wan22_3_blocks.safetensors"
 
 
 def load(comfy, name, shift=8.0):
@@ -137,7 +136,7 @@ def test_bad_expert_inputs_name_the_input_and_store_nothing(comfy, plugin, exper
         with pytest.raises(ValueError, match=message):
             sample(comfy, high, cache, positive, negative, latent, **kwargs)
         with pytest.raises(ValueError, match=message):
-            node(comfy, "CarnatorEarlyProbe").probe(high, positive, negative, latent, SEED, STEPS, CFG, "euler",
+            node(comfy, "CarnatorEarlyProbe")(high, positive, negative, latent, SEED, STEPS, CFG, "euler",
                                                     "simple", kwargs.pop("probe_steps", PROBE), 64, **kwargs)
 
     bad(r"input 'low_noise_model': the low-noise expert \(WAN21, wan2.1, 3 blocks.*not the same "
@@ -160,13 +159,13 @@ def test_staged_nodes_take_the_two_experts(comfy, plugin, experts, counted, cond
     cache = open_cache(comfy, tmp_path / "cache")
     _, miss = two_expert_sample(comfy, counted, cache, positive, negative, latent)
     high.take(), low.take()
-    probe = node(comfy, "CarnatorEarlyProbe").probe(high.model, nudged(positive), negative, latent, SEED, STEPS, CFG,
+    probe = node(comfy, "CarnatorEarlyProbe")(high.model, nudged(positive), negative, latent, SEED, STEPS, CFG,
                                                     "euler", "simple", PROBE, 64, low_noise_model=low.model,
                                                     switch_step=SWITCH)[0]
     assert (high.take(), low.take()) == (PROBE, 0)            # the probe runs on the high-noise expert
-    matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
-    decision = node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, "balanced")["result"][0]
+    matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
+    decision = node(comfy, "CarnatorCompatibilityGate")(probe, matches, "balanced").result[0]
     assert decision.decision.reuse and decision.decision.entry_id == miss["stored_as"], decision.decision.reasons
-    node(comfy, "CarnatorTrajectoryResume").resume(cache, probe, decision, True)
+    node(comfy, "CarnatorTrajectoryResume")(cache, probe, decision, True)
     k = decision.decision.resume_step
     assert (high.take(), low.take()) == (max(0, SWITCH - k), STEPS - max(k, SWITCH))

@@ -1,10 +1,13 @@
 // The last decision of each Carnator node, shown on the node: a title badge (HIT k/N · speedup, or MISS)
 // and a read-only text widget with the numbers and the gate's reasons (also on hover, as its tooltip).
-// Fed by the websocket event "carnator.decision" ({node: unique_id, reuse, risk, resume_step, ...}).
+// Fed by the websocket event "carnator.decision" ({node: unique_id, reuse, risk, resume_step, ...}). The node keeps
+// its last decision in its properties (saved with the workflow, which the web app restores after a page reload).
+// Made for LiteGraph's canvas renderer; the experimental Vue node renderer is not supported (README).
 
-import { decisionBadge, decisionLines, isCarnatorNodeType, nodeIdPath } from "./format.js";
+import { decisionBadge, decisionLines, isCarnatorNodeType, nodeIdPath, savedDecision } from "./format.js";
 
 const WIDGET_NAME = "carnator_decision";
+const PROPERTY = "carnator_decision";
 const LINE_HEIGHT = 15; // px, 11px text at line-height 1.35 (see .carnator-decision)
 const MAX_HEIGHT = 190;
 
@@ -76,13 +79,18 @@ export class DecisionDisplay {
     this.latest = new Map(); // node id (string) -> last decision payload
   }
 
+  /** Called when a node is created and again once a loaded workflow has restored its properties. */
   attach(node) {
-    if (!isCarnatorNode(node) || node.carnatorBadge) return;
-    node.carnatorBadge = new DecisionBadge(node);
-    if (!Array.isArray(node.badges)) node.badges = [];
-    node.badges.push(() => node.carnatorBadge);
+    if (!isCarnatorNode(node)) return;
+    if (!node.carnatorBadge) {
+      node.carnatorBadge = new DecisionBadge(node);
+      if (!Array.isArray(node.badges)) node.badges = [];
+      node.badges.push(() => node.carnatorBadge);
+    }
     const known = this.latest.get(String(node.id));
-    if (known) this.show(node, known);
+    const saved = node.properties && node.properties[PROPERTY];
+    if (known && node.carnatorDecision !== known) this.show(node, known);
+    else if (!known && saved && !node.carnatorDecision) this.show(node, saved, false);
   }
 
   onDecision(decision) {
@@ -95,8 +103,9 @@ export class DecisionDisplay {
     }
   }
 
-  show(node, decision) {
+  show(node, decision, remember = true) {
     node.carnatorDecision = decision;
+    if (remember) this.remember(node, decision);
     const lines = decisionLines(decision);
     const widget = this.widget(node);
     if (widget) {
@@ -108,6 +117,13 @@ export class DecisionDisplay {
     const wanted = node.computeSize ? node.computeSize() : node.size;
     if (node.setSize && wanted && wanted[1] > node.size[1]) node.setSize([Math.max(node.size[0], wanted[0]), wanted[1]]);
     (node.graph || this.app.graph)?.setDirtyCanvas?.(true, true);
+  }
+
+  remember(node, decision) {
+    node.properties = node.properties || {};
+    node.properties[PROPERTY] = savedDecision(decision);
+    // the web app saves the open workflow (and so this property) when its change tracker sees a change
+    this.app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
   }
 
   widget(node) {

@@ -109,6 +109,17 @@ export function decisionBadge(decision) {
     bg: "#5f6368" };
 }
 
+// What a node keeps of its last decision (in its properties, saved with the workflow, so that the display
+// survives a page reload): what decisionBadge and decisionLines read, nothing else.
+const SAVED_DECISION_KEYS = ["node", "reuse", "exact_repeat", "error", "risk", "steps", "probe_steps", "resume_step",
+  "refine_step", "model_calls", "expected_speedup", "entry_id", "stored_as", "warnings", "reasons"];
+
+export function savedDecision(decision) {
+  const saved = {};
+  for (const key of SAVED_DECISION_KEYS) if (decision && decision[key] !== undefined) saved[key] = decision[key];
+  return saved;
+}
+
 /** The longer text of the decision widget; its last lines are the gate's reasons. */
 export function decisionLines(decision) {
   if (!decision) return ["No Carnator decision yet: queue the workflow."];

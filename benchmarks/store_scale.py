@@ -1,0 +1,268 @@
+"""Store at scale: open (index rebuild), lookup, put and index memory from 10 to 100k entries in one bucket, on
+both backends, with synthetic Wan-2.1-1.3B-shaped Early Signatures; and what a Wan-sized trajectory blob costs
+to write and read in Redis against a file in a shared directory.
+
+Signatures: probe 3 steps x 30 blocks x 64 pooled features, the x0-hat grid 16 x 8 x 8 x 8, attention 30 x 16 x 16
+(86 KB as stored). They come in sessions (a random centre, then entries a small step from it), as an iteration
+stream would leave them. Each store grows through the sizes; at each size the store is opened afresh (the
+rebuild is timed), then `lookup` queries (an existing entry's signature slightly moved, 3 nearest through
+index.nearest: shortlist, exact re-rank, lineage grouping) and `put`s (a tiny blob: the goal excludes the blob
+bytes; fsync included) are timed. The fill itself goes through CarnatorStore.put too, with fsync skipped to keep
+the run short (it is not what is measured).
+
+    python benchmarks/store_scale.py                       # both backends, 10 .. 100000 entries
+    python benchmarks/store_scale.py --sizes 10,1000 --backends disk --out /tmp/s.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from carnator_engine.index import nearest  # noqa: E402
+from carnator_engine.signature import EarlySignature  # noqa: E402
+from carnator_engine.store import CarnatorStore, TrajectoryPayload  # noqa: E402
+
+PROBE_STEPS, BLOCKS, CHANNELS = 3, 30, 16
+WAN_LATENT = (1, 16, 21, 60, 104)   # 480p x 81 frames
+GOALS = {"lookup_ms": {10_000: 20, 100_000: 100}, "put_ms": {100_000: 30}, "open_s": {100_000: 10},
+         "index_mb": {100_000: 200}}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Signatures:
+    """Session-clustered synthetic signatures, reproducible by index."""
+
+    def __init__(self, seed: int = 0, per_session: int = 10):
+        self.seed, self.per_session = seed, per_session
+
+    @functools.lru_cache(maxsize=4)
+    def centre(self, session: int) -> tuple:
+        centre = torch.Generator().manual_seed(self.seed * 1_000_003 + session)
+        return (torch.randn(PROBE_STEPS, BLOCKS, 64, generator=centre), torch.randn(CHANNELS, 8, 8, 8, generator=centre),
+                torch.softmax(torch.randn(BLOCKS, 16, 16, generator=centre), -1))
+
+    def get(self, index: int, jitter: float = 0.0) -> EarlySignature:
+        hidden, denoised, attention = self.centre(index // self.per_session)
+        own = torch.Generator().manual_seed(self.seed * 1_000_003 + 7_919 * (index + 1))
+        hidden = hidden + 0.2 * torch.randn(PROBE_STEPS, BLOCKS, 64, generator=own)
+        denoised = denoised + 0.3 * torch.randn(CHANNELS, 8, 8, 8, generator=own)
+        if jitter:   # a request near this entry: its own noise moved a little
+            moved = torch.Generator().manual_seed(self.seed * 1_000_003 + 104_729 * (index + 1))
+            denoised = denoised + jitter * torch.randn(denoised.shape, generator=moved)
+            hidden = hidden + jitter * torch.randn(hidden.shape, generator=moved)
+        return EarlySignature(hidden=hidden, denoised=denoised, attention=attention)
+
+
+TINY = TrajectoryPayload({6: torch.zeros(1, 16, dtype=torch.float16)}, {})
+
+
+def put(store: CarnatorStore, signatures: Signatures, index: int) -> str:
+    return store.put(bucket="wan-1.3b", prompt=f"synthetic {index}", seed=index, steps=50, probe_steps=PROBE_STEPS,
+                     signature=signatures.get(index), payload=TINY, latent_shape=[1, 16], thumbnail=b"",
+                     request_key=f"{index:032x}")
+
+
+def fill(location: str, signatures: Signatures, start: int, stop: int, batch: int = 500) -> float:
+    """Adds entries start..stop-1 to the store at `location` the fast way: each batch's metadata, signatures and
+    blobs encoded as CarnatorStore.put encodes them (vectors in one batched projection), then written in one
+    transaction (disk: one SQLite transaction, blob files without fsync; Redis: one pipeline). Only the fill
+    takes this path; every measured put below goes through CarnatorStore.put."""
+    from carnator_engine.backends.disk import DiskBackend
+    from carnator_engine.store import EntryRecord, _encode, _sha256
+    from carnator_engine.vectors import compact_vectors
+    from safetensors.torch import save
+    store = CarnatorStore(location, 1 << 50)
+    backend = store._backend
+    blob = save({f"checkpoint.{s}": t for s, t in TINY.checkpoints.items()})
+    started = time.perf_counter()
+    for first in range(start, stop, batch):
+        indices = range(first, min(stop, first + batch))
+        sigs = [signatures.get(i) for i in indices]
+        rows = []
+        for i, sig, vector in zip(indices, sigs, compact_vectors(sigs)):
+            data = save(sig.to_tensors())
+            entry = f"{i:016x}"
+            record = EntryRecord(entry, "wan-1.3b", f"synthetic {i}", i, 50, PROBE_STEPS, [6], [1, 16], time.time(),
+                                 time.time(), _sha256(data), _sha256(blob), len(data) + len(blob),
+                                 request_key=f"{i:032x}", lineage=entry)
+            rows.append((entry, _encode(record, vector), data))
+        if isinstance(backend, DiskBackend):
+            for entry, _, _ in rows:
+                with open(backend._blob_path(entry), "wb") as handle:
+                    handle.write(blob)
+            with backend._cache.transact():
+                for entry, meta, data in rows:
+                    backend._cache.set(f"s:{entry}", data)
+                    backend._cache.set(f"t:{entry}", b"")
+                    backend._cache.set(f"m:{entry}", meta)
+                    backend._log("put", entry)
+        else:
+            pipe = backend._client.pipeline(transaction=False)
+            for entry, meta, data in rows:
+                for kind, value in (("sig", data), ("blob", blob), ("thumb", b""), ("meta", meta)):
+                    pipe.set(backend._key(kind, entry), value)
+                pipe.sadd("carnator:ids", entry)
+                backend._log(pipe, "put", entry)
+            pipe.execute()
+    store.close()
+    return time.perf_counter() - started
+
+
+def measure(location: str, signatures: Signatures, size: int, queries: int, puts: int) -> dict:
+    gc.collect()
+    before = rss_bytes()
+    started = time.perf_counter()
+    store = CarnatorStore(location, 1 << 50)
+    open_s = time.perf_counter() - started
+    gc.collect()
+    index_rss = rss_bytes() - before
+    lookups, found = [], 0
+    for q in range(queries):
+        target = (q * 7919) % size
+        query = signatures.get(target, jitter=0.05)
+        started = time.perf_counter()
+        candidates = nearest(store, "wan-1.3b", query, limit=3)
+        lookups.append(time.perf_counter() - started)
+        found += bool(candidates) and candidates[0].record.seed == target
+    writes = []
+    for p in range(puts):
+        started = time.perf_counter()
+        put(store, signatures, 10_000_000 + size + p)
+        writes.append(time.perf_counter() - started)
+    for p in range(puts):   # the store keeps its size for the next step
+        store.delete(store.exact_repeat("wan-1.3b", f"{10_000_000 + size + p:032x}").entry_id)
+    stats = store.stats()
+    store.close()
+    return {"entries": size, "open_s": round(open_s, 3), "lookup_ms_median": round(1e3 * statistics.median(lookups), 2),
+            "lookup_ms_p95": round(1e3 * sorted(lookups)[int(0.95 * (len(lookups) - 1))], 2),
+            "nearest_found": f"{found}/{queries}", "put_ms_median": round(1e3 * statistics.median(writes), 2),
+            "put_ms_p95": round(1e3 * sorted(writes)[int(0.95 * (len(writes) - 1))], 2),
+            "index_matrix_mb": round(stats["index_bytes"] / 2**20, 1), "index_rss_mb": round(index_rss / 2**20, 1),
+            "stored_mb": round(stats["bytes"] / 2**20, 1)}
+
+
+def blob_transport(redis_url: str, directory: str, repeats: int) -> dict:
+    """One Wan-1.3B entry's trajectory blob (12 fp16 checkpoints + the fp32 final latent): SET/GET in Redis
+    against write + fsync + rename / read of a file, the two places the Redis backend could keep it."""
+    import redis
+    checkpoints = 12 * torch.Size(WAN_LATENT).numel() * 2
+    blob = os.urandom(checkpoints + torch.Size(WAN_LATENT).numel() * 4)
+    client = redis.Redis.from_url(redis_url, socket_timeout=120)
+    times = {"redis_write_s": [], "redis_read_s": [], "file_write_s": [], "file_read_s": []}
+    path = os.path.join(directory, "blob.bin")
+    for repeat in range(repeats):
+        started = time.perf_counter()
+        client.set(f"bench:blob:{repeat}", blob)
+        times["redis_write_s"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        assert len(client.get(f"bench:blob:{repeat}")) == len(blob)
+        times["redis_read_s"].append(time.perf_counter() - started)
+        client.delete(f"bench:blob:{repeat}")
+        started = time.perf_counter()
+        with open(path + ".tmp", "wb") as handle:
+            handle.write(blob)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(path + ".tmp", path)
+        times["file_write_s"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        with open(path, "rb") as handle:
+            assert len(handle.read()) == len(blob)
+        times["file_read_s"].append(time.perf_counter() - started)
+    client.close()
+    return {"blob_mb": round(len(blob) / 2**20, 1), **{k: round(statistics.median(v), 3) for k, v in times.items()}}
+
+
+def table(rows: list) -> str:
+    header = (f"{'backend':8} {'entries':>8} {'open s':>7} {'lookup ms':>10} {'p95':>7} {'found':>7} "
+              f"{'put ms':>7} {'p95':>7} {'index MB':>9} {'RSS MB':>7}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['backend']:8} {r['entries']:>8} {r['open_s']:>7.2f} {r['lookup_ms_median']:>10.2f} "
+                     f"{r['lookup_ms_p95']:>7.2f} {r['nearest_found']:>7} {r['put_ms_median']:>7.2f} "
+                     f"{r['put_ms_p95']:>7.2f} {r['index_matrix_mb']:>9.1f} {r['index_rss_mb']:>7.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10,100,1000,10000,100000")
+    parser.add_argument("--backends", default="disk,redis")
+    parser.add_argument("--queries", type=int, default=30)
+    parser.add_argument("--puts", type=int, default=20)
+    parser.add_argument("--blob-repeats", type=int, default=3, help="0 skips the blob transport measurement")
+    parser.add_argument("--root", default=None, help="parent of the temporary stores (default: /tmp)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", default="benchmarks/results/store/store_scale.json")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    backends = [b for b in args.backends.split(",") if b]
+    root = tempfile.mkdtemp(prefix="carnator-scale-", dir=args.root)
+    server = None
+    if "redis" in backends or args.blob_repeats:
+        from redis_server import RedisServer
+        server = RedisServer(os.path.join(root, "redis")).start()   # no AOF: the fill is not what is measured
+    rows, blob, load = [], None, os.getloadavg()
+    try:
+        for backend in backends:
+            location = os.path.join(root, "disk") if backend == "disk" else server.url
+            signatures, have = Signatures(), 0
+            for size in sizes:
+                fill_s = fill(location, signatures, have, size)
+                have = size
+                row = {"backend": backend, **measure(location, signatures, size, args.queries, args.puts),
+                       "fill_s": round(fill_s, 1)}
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
+                write(args.out, rows, None, load, args)   # a run cut short keeps what it measured
+            if backend == "redis":
+                import redis
+                redis.Redis.from_url(server.url).flushall()
+        if args.blob_repeats:
+            blob = blob_transport(server.url, root, args.blob_repeats)
+    finally:
+        if server is not None:
+            server.stop()
+    print("\n" + table(rows))
+    if blob:
+        print(f"\nWan-1.3B trajectory blob ({blob['blob_mb']} MB): Redis write {blob['redis_write_s']} s, read "
+              f"{blob['redis_read_s']} s; file (fsync + rename) write {blob['file_write_s']} s, read "
+              f"{blob['file_read_s']} s")
+    write(args.out, rows, blob, load, args)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def write(path: str, rows: list, blob, load, args) -> None:
+    result = {"rows": rows, "blob": blob, "goals": GOALS, "load_average_at_start": load,
+              "load_average_at_end": os.getloadavg(),
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                          "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+              "args": vars(args)}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(result, handle, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

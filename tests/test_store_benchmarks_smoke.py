@@ -1,0 +1,29 @@
+"""The store benchmarks run end to end at a tiny size (the reported runs: benchmarks/RESULTS.md)."""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def test_store_scale_smoke(tmp_path):
+    from redis_server import require_redis_server
+    require_redis_server()
+    import store_scale
+    out = tmp_path / "scale.json"
+    assert store_scale.main(["--sizes", "5,20", "--queries", "3", "--puts", "2", "--blob-repeats", "0",
+                             "--root", str(tmp_path), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["entries"]) for r in rows] == [("disk", 5), ("disk", 20), ("redis", 5), ("redis", 20)]
+    assert all(r["nearest_found"] == "3/3" for r in rows)
+
+
+def test_workers_smoke(tmp_path):
+    from redis_server import require_redis_server
+    require_redis_server()
+    import workers
+    out = tmp_path / "workers.json"
+    assert workers.main(["--workers", "2", "--users", "1", "--session", "2", "--steps", "6", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["shared"]["requests"] == results["per_worker"]["requests"] == 2
