@@ -35,11 +35,11 @@ class ScaleOutputNode:
 
 
 def easycache(comfy, model, threshold=0.2, start=0.15, end=0.95):
-    return node(comfy, "EasyCache").execute(model, threshold, start, end, False)[0]
+    return node(comfy, "EasyCache")(model, threshold, start, end, False)[0]
 
 
 def lazycache(comfy, model, threshold=0.2, start=0.15, end=0.95):
-    return node(comfy, "LazyCache").execute(model, threshold, start, end, False)[0]
+    return node(comfy, "LazyCache")(model, threshold, start, end, False)[0]
 
 
 def sd3_shift(comfy, model, shift=5.0):
@@ -143,10 +143,10 @@ def test_a_miss_with_a_step_cache_equals_ksampler_with_it_and_counts_real_calls(
     assert miss["step_cache"].startswith(model.model_options["transformer_options"]["easycache"].name)
     relative = float((out["samples"] - reference).norm() / reference.norm())
     assert relative < 1e-5, relative          # float32 noise of the split run
-    text = node(comfy, "CarnatorSampler").sample(counter.model, open_cache(comfy, tmp_path / "other"), *conds, latent,
-                                                 SEED, STEPS, CFG, "euler", "simple", PROBE, "balanced", True)
+    out = node(comfy, "CarnatorSampler")(counter.model, open_cache(comfy, tmp_path / "other"), *conds, latent,
+                                         SEED, STEPS, CFG, "euler", "simple", PROBE, "balanced", True)
     assert (f"{STEPS} of {STEPS} steps run, {reference_calls} model calls ({miss['step_cache']} inside: skipped "
-            f"{STEPS - reference_calls} steps)") in text["ui"]["text"][0]
+            f"{STEPS - reference_calls} steps)") in hostsetup.shown_text(out)
     assert "reuse_threshold=3, start_percent=0, end_percent=1" in miss["step_cache"]
 
 
@@ -245,14 +245,14 @@ def test_options_changed_between_probe_and_resume_make_a_plain_generation(comfy,
     model = easycache(comfy, tiny_model, threshold=0.2)
     sample(comfy, model, cache, positive, negative, latent)
     before = store_state(cache)
-    probe = node(comfy, "CarnatorEarlyProbe").probe(model, nudged(positive), negative, latent, SEED, STEPS, CFG,
-                                                    "euler", "simple", PROBE, 64)[0]
-    matches = node(comfy, "CarnatorSignatureCacheLookup").lookup(cache, probe, 3)["result"][0]
-    decision = node(comfy, "CarnatorCompatibilityGate").decide(probe, matches, "balanced")["result"][0]
+    probe = node(comfy, "CarnatorEarlyProbe")(model, nudged(positive), negative, latent, SEED, STEPS, CFG,
+                                              "euler", "simple", PROBE, 64)[0]
+    matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
+    decision = node(comfy, "CarnatorCompatibilityGate")(probe, matches, "balanced").result[0]
     assert decision.decision.reuse            # a hit, decided for the model as it was
     model.model_options["transformer_options"]["easycache"].reuse_threshold = 0.5   # edited in place
-    out = node(comfy, "CarnatorTrajectoryResume").resume(cache, probe, decision, True)
-    summary = json.loads(out["result"][1])
+    out = node(comfy, "CarnatorTrajectoryResume")(cache, probe, decision, True)
+    summary = json.loads(out.result[1])
     assert not summary["reuse"] and summary["stored_as"] is None and summary["steps_run"] == STEPS
     assert re.search(r"the MODEL changed between the probe and the resume \(now: .*EasyCache reuse_threshold=0\.5.*"
                      r"at the probe: .*EasyCache reuse_threshold=0\.2", summary["reasons"][0]), summary["reasons"]
