@@ -84,7 +84,8 @@ test("decision badge and lines", () => {
 
 test("a saved decision keeps what the display reads, and the display reads the same from it", () => {
   const decision = { node: "7", reuse: true, risk: "balanced", resume_step: 12, probe_steps: 3, steps: 30,
-    model_calls: 21, expected_speedup: 1.4286, reasons: ["reuse entry abc"], entry_id: "0123456789abcdef",
+    model_calls: 21, steps_run: 30, step_cache: "EasyCache reuse_threshold=0.2", step_cache_skipped: 4,
+    expected_speedup: 1.4286, reasons: ["reuse entry abc"], entry_id: "0123456789abcdef",
     stored_as: "fedcba9876543210", warnings: [], numbers: { hidden: 0.01 }, seconds: { probe: 1.5 } };
   const saved = JSON.parse(JSON.stringify(savedDecision(decision)));   // as the workflow's JSON holds it
   assert.equal(saved.numbers, undefined);

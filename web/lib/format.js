@@ -112,7 +112,8 @@ export function decisionBadge(decision) {
 // What a node keeps of its last decision (in its properties, saved with the workflow, so that the display
 // survives a page reload): what decisionBadge and decisionLines read, nothing else.
 const SAVED_DECISION_KEYS = ["node", "reuse", "exact_repeat", "error", "risk", "steps", "probe_steps", "resume_step",
-  "refine_step", "model_calls", "expected_speedup", "entry_id", "stored_as", "warnings", "reasons"];
+  "refine_step", "model_calls", "steps_run", "step_cache", "step_cache_skipped", "expected_speedup", "entry_id",
+  "stored_as", "warnings", "reasons"];
 
 export function savedDecision(decision) {
   const saved = {};
