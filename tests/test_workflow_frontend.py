@@ -59,7 +59,7 @@ def test_frontend_reads_the_workflow_as_meant_and_runs_it(tmp_path):
         server_log = server.log()
     assert history["status"]["status_str"] == "success", json.dumps(history["status"])[-3000:] + server_log[-3000:]
     shown = history["outputs"]["7"]["text"][0]
-    assert shown.startswith("Carnator MISS (balanced)") and "30 model steps of 30" in shown, shown
+    assert shown.startswith("Carnator MISS (balanced)") and "30 of 30 steps run, 30 model calls" in shown, shown
     store = CarnatorStore(comfy_host.default_store_dir(base), 1 << 30)   # the workflow's cache_dir "" = the default
     try:
         assert [r.steps for r in store.records()] == [30]
@@ -173,4 +173,4 @@ def test_every_workflow_loads_in_the_frontend_and_runs_with_tiny_models(served, 
     # a miss, stored; then its exact repeat answered with no model call (the staged chain's Early Probe has the
     # cache connected, so it too runs no probe step)
     assert any(text.startswith("Carnator MISS") for text in runs[0]), runs[0]
-    assert any(text.startswith("Carnator REPEAT") and " 0 model steps" in text for text in runs[1]), runs[1]
+    assert any(text.startswith("Carnator REPEAT") and " 0 model calls" in text for text in runs[1]), runs[1]
