@@ -85,3 +85,14 @@ class CallCounter:
 @pytest.fixture
 def counted(tiny_model):
     return CallCounter(tiny_model)
+
+
+@pytest.fixture
+def conds():
+    """(positive, negative) CONDITIONING shaped as Wan's umT5 gives it."""
+    return hostsetup.conditioning(1), hostsetup.conditioning(2)
+
+
+@pytest.fixture
+def latent(comfy):
+    return hostsetup.empty_video_latent(comfy)          # [1, 16, 5, 16, 16]: 320 tokens

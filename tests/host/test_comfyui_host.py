@@ -61,16 +61,6 @@ def store_state(store):
     return sorted((r.entry_id, r.hits, r.sig_sha256, r.blob_sha256) for r in store.records(include_corrupt=True))
 
 
-@pytest.fixture
-def conds():
-    return hostsetup.conditioning(1), hostsetup.conditioning(2)
-
-
-@pytest.fixture
-def latent(comfy):
-    return hostsetup.empty_video_latent(comfy)          # [1, 16, 5, 16, 16]: 320 tokens
-
-
 # ---- the runner against the host's own sampling ------------------------------------------------
 
 class RecordingObserver:

@@ -23,11 +23,6 @@ def hunyuan(comfy, host_dirs):
     return model
 
 
-@pytest.fixture
-def latent(comfy):
-    return hostsetup.empty_video_latent(comfy)          # [1, 16, 5, 16, 16]
-
-
 def ksampler(comfy, model, positive, negative, latent, steps=STEPS):
     return node(comfy, "KSampler").sample(model, SEED, steps, CFG, "euler", "simple", positive, negative, latent)[0]
 

@@ -87,16 +87,6 @@ def test_every_option_alone_and_in_pairs_has_its_own_key(comfy, plugin, tiny_mod
     assert len({fingerprint(m, conds) for m in variants} | set(keys.values())) == len(combos) + len(variants)
 
 
-@pytest.fixture
-def conds():
-    return hostsetup.conditioning(1), hostsetup.conditioning(2)
-
-
-@pytest.fixture
-def latent(comfy):
-    return hostsetup.empty_video_latent(comfy)
-
-
 def test_never_a_repeat_or_hit_across_options_and_the_same_options_repeat(comfy, plugin, tiny_model, conds,
                                                                           latent, tmp_path):
     positive, negative = conds

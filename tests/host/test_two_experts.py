@@ -34,16 +34,6 @@ def counted(experts):
     return CallCounter(experts[0]), CallCounter(experts[1])
 
 
-@pytest.fixture
-def conds():
-    return hostsetup.conditioning(1), hostsetup.conditioning(2)
-
-
-@pytest.fixture
-def latent(comfy):
-    return hostsetup.empty_video_latent(comfy)
-
-
 def template(comfy, high, low, positive, negative, latent, switch=SWITCH, steps=STEPS):
     """ComfyUI's Wan 2.2 A14B template: KSamplerAdvanced on each expert, split at `switch`."""
     first = node(comfy, "KSamplerAdvanced").sample(high, "enable", SEED, steps, CFG, "euler", "simple", positive,
