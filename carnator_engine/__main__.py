@@ -107,6 +107,7 @@ def run_demo(args) -> int:
     print(f"model calls: {total} of {args.steps * len(rows)} "
           f"({100 * (1 - total / (args.steps * len(rows))):.0f}% saved)")
     print(demo_legend(args.steps, args.probe_steps, len(world.ATTRIBUTES), ", ".join(world.ATTRIBUTES)))
+    store.writer.settle()   # the stats count the last requests' entries, written in the background
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"rows": rows, "store": store.stats()}, handle, indent=2)

@@ -1,4 +1,4 @@
-"""One request through Carnator: probe -> lookup -> gate -> resume (or continue) -> write-back.
+"""One request through Carnator: probe -> lookup -> gate -> resume (or continue) -> write-back (queued: write_back.py).
 
 The four stages are separate functions so ComfyUI can expose each as a node; `generate` chains
 them, after `replay`: a request whose every input matches an earlier full generation gets that
@@ -32,7 +32,8 @@ from .observer import CheckpointRecorder, GenerationObserver
 from .preview import thumbnail_png
 from .resume import resume_latent
 from .signature import EarlySignature, SignatureRecorder
-from .store import CarnatorStore, StoreError, TrajectoryPayload
+from .store import CarnatorStore, StoreError, TrajectoryPayload, new_entry_id
+from .write_back import PendingWrite
 
 log = logging.getLogger("carnator")
 
@@ -95,18 +96,25 @@ class GenerationResult:
     latent: torch.Tensor
     decision: gate_module.Decision
     model_calls: int              # diffusion model forwards (per cond/uncond batch as the host runs them)
-    entry_id: Optional[str]
+    storing: Optional[PendingWrite]   # the generation's write into the store, running in the background
     seconds: dict
     warnings: list = field(default_factory=list)
     steps_run: int = 0            # sampler steps evaluated, probe included
     step_cache: Optional[str] = None   # the per-request step cache inside the run (EasyCache ...), by name
     step_cache_skipped: int = 0   # steps it answered without a forward
 
+    @property
+    def entry_id(self) -> Optional[str]:
+        """The entry this generation is stored as, once it is written (this waits for the write); None when nothing
+        was stored: a repeat, a model Carnator cannot key, or a write that failed (the store reported why)."""
+        return self.storing.wait() if self.storing is not None else None
+
     def summary(self) -> dict:
+        """The decision and its cost, without waiting for the write: `stored_as` names the entry being written."""
         return {**self.decision.summary(), "model_calls": self.model_calls, "steps_run": self.steps_run,
                 "step_cache": self.step_cache, "step_cache_skipped": self.step_cache_skipped,
-                "stored_as": self.entry_id, "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
-                "warnings": self.warnings}
+                "stored_as": self.storing.entry_id if self.storing is not None else None,
+                "seconds": {k: round(v, 4) for k, v in self.seconds.items()}, "warnings": self.warnings}
 
 
 def _calls(runner, observer: GenerationObserver) -> int:
@@ -133,9 +141,11 @@ def _validate_request(runner, noise: torch.Tensor, sigmas: torch.Tensor, config:
                              "input; nothing was run or stored")
 
 
-def _degraded(store: CarnatorStore, what: str, work, default=None):
-    """work(), or `default` when the store fails it: a store fault costs the request its reuse, never its result.
-    The warning reaches the request's result (store.drain_problems) and the log."""
+def _read(store: CarnatorStore, what: str, work, default=None):
+    """work() reading the store once the writes this process queued for it are in, or `default` when the store
+    fails it: a store fault costs the request its reuse, never its result. The warning reaches the request's result
+    (store.drain_problems) and the log."""
+    store.writer.settle()
     try:
         return work()
     except StoreError as error:
@@ -196,7 +206,7 @@ def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorCo
 
 def _repeated(store: CarnatorStore, identity: tuple) -> Optional[tuple]:
     """(entry id, final latent) of a readable full generation of exactly this request, or None."""
-    record = _degraded(store, "the exact-repeat check", lambda: store.exact_repeat(*identity))
+    record = _read(store, "the exact-repeat check", lambda: store.exact_repeat(*identity))
     final = _stored_final(store, record.entry_id) if record is not None else None
     return None if final is None else (record.entry_id, final)
 
@@ -233,8 +243,8 @@ def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) ->
     none (a full generation, with a warning) when the store cannot be read."""
     if probed.repeat is not None or probed.uncacheable:
         return []
-    return _degraded(store, "the cache lookup",
-                     lambda: nearest(store, probed.bucket, probed.signature, config.lookup_limit), [])
+    return _read(store, "the cache lookup",
+                 lambda: nearest(store, probed.bucket, probed.signature, config.lookup_limit), [])
 
 
 def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
@@ -245,7 +255,7 @@ def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
         if store.records(probed.bucket, include_corrupt=True):
             return []
         return [bucket_difference(store, probed.bucket_parts)]
-    return _degraded(store, "explaining the miss", work, [])
+    return _read(store, "explaining the miss", work, [])
 
 
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
@@ -295,8 +305,8 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
     a hit whose entry cannot be read becomes a full generation."""
     steps = probed.steps
     if decision.reuse:
-        payload = _degraded(store, f"reading entry {decision.entry_id}",
-                            lambda: store.trajectory(store.record(decision.entry_id)))
+        payload = _read(store, f"reading entry {decision.entry_id}",
+                        lambda: store.trajectory(store.record(decision.entry_id)))
         if payload is None:   # corrupt, missing, or deleted/evicted since the gate chose it
             decision = _full_generation(decision, probed, f"entry {decision.entry_id} could not be read")
     keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
@@ -344,33 +354,42 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
         decision = _full_generation(decision, probed, warnings[-1])
     decision, latent, observer, connectivity = _continue(runner, probed, decision, store, config)
     seconds = {"probe": probed.seconds, "resume": time.perf_counter() - started}
-    entry_id = None
     cost = {"model_calls": probed.model_calls + _calls(runner, observer), "steps_run": probed.probe_steps +
             observer.steps_run, "step_cache": getattr(runner, "step_cache", None),
             "step_cache_skipped": observer.step_cache_skipped}
+    warnings += store.drain_problems()   # drained before the write is queued: a failure of it is the next request's
     written = time.perf_counter()
-    try:
-        if probed.uncacheable:
-            raise StoreError("its model carries an option Carnator cannot fingerprint" if not why else
-                             "its model changed since the probe")
-        entry_id = store.put(
-            bucket=probed.bucket, prompt=prompt, seed=seed, steps=probed.steps, probe_steps=probed.probe_steps,
-            signature=probed.signature,
-            payload=TrajectoryPayload(observer.checkpoints.latents, connectivity,
-                                      final=None if decision.reuse else latent),
-            latent_shape=probed.latent.shape, thumbnail=thumbnail_png(runner.preview(latent)),
-            reused_from=decision.entry_id if decision.reuse else None,
-            extra={"decision": {**decision.summary(), **cost}, "bucket": probed.bucket_parts,
-                   "model": model_name or runner.model_fingerprint[:12]},
-            request_key=probed.request_key)
-    except (StoreError, OSError) as error:  # the result is returned whatever the store does with it
-        warnings.append(f"not stored: {error}")
-        if not probed.uncacheable:
-            log.warning("carnator: %s", warnings[-1])
-    seconds["write_back"] = time.perf_counter() - written
-    return GenerationResult(latent, decision, cost["model_calls"], entry_id, seconds,
-                            warnings + store.drain_problems(), cost["steps_run"], cost["step_cache"],
-                            cost["step_cache_skipped"])
+    storing = None
+    if probed.uncacheable:
+        warnings.append("not stored: " + ("its model carries an option Carnator cannot fingerprint" if not why else
+                                          "its model changed since the probe"))
+    else:
+        entry = dict(bucket=probed.bucket, prompt=prompt, seed=seed, steps=probed.steps, probe_steps=probed.probe_steps,
+                     signature=probed.signature, latent_shape=probed.latent.shape,
+                     reused_from=decision.entry_id if decision.reuse else None,
+                     extra={"decision": {**decision.summary(), **cost}, "bucket": probed.bucket_parts,
+                            "model": model_name or runner.model_fingerprint[:12]},
+                     request_key=probed.request_key)
+        storing = _queue_write(store, entry, observer.checkpoints, connectivity, None if decision.reuse else latent,
+                               runner.preview(latent))
+    seconds["write_back"] = time.perf_counter() - written   # what the request waits for: copies and queueing
+    return GenerationResult(latent, decision, cost["model_calls"], storing, seconds, warnings, cost["steps_run"],
+                            cost["step_cache"], cost["step_cache_skipped"])
+
+
+def _queue_write(store: CarnatorStore, entry: dict, checkpoints: CheckpointRecorder, connectivity: dict,
+                 final: Optional[torch.Tensor], frame: torch.Tensor) -> PendingWrite:
+    """Hands the generation to the store's background writer (write_back). Copied now, as the caller may change its
+    tensors once it has them: the final latent (a full generation's; kept to replay an exact repeat) and the preview
+    frame. Left to the writer: waiting for the checkpoints' device copies, the thumbnail, serialising, the commit."""
+    entry_id = new_entry_id()
+    final = None if final is None else final.detach().to("cpu", copy=True)
+    frame = frame.detach().to("cpu", copy=True)
+
+    def write():
+        store.put(**entry, payload=TrajectoryPayload(checkpoints.latents, connectivity, final=final),
+                  thumbnail=thumbnail_png(frame), entry_id=entry_id)
+    return store.writer.submit(entry_id, write)
 
 
 def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorStore, config: CarnatorConfig,

@@ -37,6 +37,7 @@ from .eviction import EvictionQueue, priority
 from .plain import json_safe
 from .signature import EarlySignature
 from .vectors import VECTOR_DIM, BucketMatrix, compact_vector
+from .write_back import BackgroundWriter
 
 log = logging.getLogger("carnator.store")
 
@@ -61,6 +62,10 @@ def _check_size_limit(size_limit_bytes) -> None:
     if size_limit_bytes < MIN_SIZE_LIMIT:
         raise ValueError(f"cache size limit {size_limit_bytes} bytes is below the minimum of "
                          f"{MIN_SIZE_LIMIT} bytes (1 MiB): raise the size limit")
+
+
+def new_entry_id() -> str:
+    return uuid.uuid4().hex[:16]
 
 
 def _sha256(data: bytes) -> str:
@@ -164,6 +169,7 @@ class CarnatorStore:
         self.problems: list = []
         self._lock = threading.RLock()
         self._signatures: OrderedDict = OrderedDict()
+        self.writer = BackgroundWriter(self.report_problem)   # the generations being stored in the background
         self.orphans_reclaimed, self.orphan_bytes_reclaimed = self._backend.reclaim_orphans()
         if self.orphans_reclaimed:
             log.info("carnator: reclaimed %d orphan blob files (%d bytes) in %s", self.orphans_reclaimed,
@@ -178,6 +184,8 @@ class CarnatorStore:
         return self.enforce_size_limit()
 
     def close(self) -> None:
+        """Writes out the queued generations (write_back), then closes the backend."""
+        self.writer.settle()
         self._backend.close()
 
     # ---- the in-memory index ---------------------------------------------------------------------
@@ -278,7 +286,10 @@ class CarnatorStore:
 
     def put(self, *, bucket: str, prompt: str, seed: int, steps: int, probe_steps: int,
             signature: EarlySignature, payload: TrajectoryPayload, latent_shape, thumbnail: bytes = b"",
-            reused_from: Optional[str] = None, extra: Optional[dict] = None, request_key: str = "") -> str:
+            reused_from: Optional[str] = None, extra: Optional[dict] = None, request_key: str = "",
+            entry_id: Optional[str] = None) -> str:
+        """Stores one entry and returns its id: `entry_id` (new_entry_id(), chosen before a background write so the
+        request can name its entry at once) or a new one."""
         try:
             vector = compact_vector(signature)
         except ValueError as error:
@@ -298,7 +309,7 @@ class CarnatorStore:
             raise StoreError(f"this generation needs {size / 2**20:.1f} MiB but the cache size limit is "
                              f"{self.size_limit_bytes / 2**20:.1f} MiB: raise the size limit to keep it")
         now = time.time()
-        entry = uuid.uuid4().hex[:16]
+        entry = entry_id or new_entry_id()
         with self._lock:
             source = self._lineage_of(reused_from) if reused_from else entry
             record = EntryRecord(

@@ -195,7 +195,10 @@ async def _call(request, job, *args):
     cache = request.query.get("cache")
 
     def work():
-        return job(resolve_store(cache), *args)
+        store = resolve_store(cache)
+        if store is not None:   # the browser lists (and clears) what this process is still writing too
+            store.writer.settle()
+        return job(store, *args)
     return await asyncio.to_thread(work)
 
 

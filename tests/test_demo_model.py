@@ -91,11 +91,13 @@ def test_training_from_earlier_weights_records_them(tmp_path):
 
 
 @needs_weights
-def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, capsys):
-    from carnator_engine.__main__ import main
+def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, capsys, held_writes):
+    from carnator_engine.__main__ import main     # held_writes: the last entry is written only if the CLI waits
     report = tmp_path / "demo.json"
     assert main(["demo", "--cache", str(tmp_path / "cache"), "--json", str(report)]) == 0
-    rows = {row["request"]: row for row in json.loads(report.read_text())["rows"]}
+    written = json.loads(report.read_text())
+    assert written["store"]["entries"] == sum(not row["exact_repeat"] for row in written["rows"])  # each one stored
+    rows = {row["request"]: row for row in written["rows"]}
     repeat = rows["same prompt, same seed"]
     assert repeat["exact_repeat"] and repeat["model_calls"] == 0
     assert rows["size edit"]["reuse"] and not rows["size edit"]["exact_repeat"]

@@ -117,7 +117,7 @@ def test_miss_then_hit_saves_model_calls(tiny_model, store):
     # Identical request: resuming from its own trajectory reproduces it.
     torch.testing.assert_close(second.latent, first.latent, atol=2e-2, rtol=0)
     assert store.record(first.entry_id).hits == 1
-    assert len(store.records()) == 2  # the hit is written back too
+    assert second.entry_id and len(store.records()) == 2  # the hit is written back too (entry_id waits for it)
 
 
 def test_hit_with_a_target_region_spends_one_call_re_estimating_it(tiny_model, store, monkeypatch):
@@ -244,7 +244,8 @@ def test_a_hit_whose_entry_fails_between_gate_and_resume_is_generated_in_full(ti
     torch.testing.assert_close(result.latent, full.latent, atol=1e-5, rtol=0)
 
 
-def test_a_full_disk_returns_the_result_with_a_warning(tiny_model, store, monkeypatch):
+def test_a_full_disk_returns_the_result_and_warns_on_the_next_request(tiny_model, store, monkeypatch):
+    """The write runs after the result is out (write_back): its failure is the next request's warning."""
     import errno
 
     from carnator_engine.backends.disk import DiskBackend
@@ -253,9 +254,14 @@ def test_a_full_disk_returns_the_result_with_a_warning(tiny_model, store, monkey
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(DiskBackend, "_write_blob", full_disk)
     result = _run(tiny_model, store, "a red circle moving left", 1)
-    assert result.entry_id is None and result.model_calls == 12 and torch.isfinite(result.latent).all()
-    assert any("not stored" in w and store.location in w and "disk is full" in w for w in result.warnings)
+    assert result.model_calls == 12 and torch.isfinite(result.latent).all() and result.summary()["stored_as"]
+    assert result.entry_id is None       # waits for the write: it failed
     assert store.stats()["entries"] == 0 and store.records(include_corrupt=True) == []
+    monkeypatch.undo()
+    following = _run(tiny_model, store, "a blue square moving up", 2)
+    assert any("not stored" in w and result.summary()["stored_as"] in w and store.location in w
+               and "disk is full" in w for w in following.warnings)
+    assert following.entry_id and store.record(following.entry_id).prompt == "a blue square moving up"
 
 
 def test_a_store_that_fails_every_read_costs_the_reuse_not_the_result(tiny_model, store, monkeypatch):

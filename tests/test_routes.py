@@ -211,6 +211,23 @@ def test_handlers_over_http(registry, tiny_model, tmp_path):
     assert store.records(include_corrupt=True) == []
 
 
+def test_the_browser_lists_and_clears_the_entries_still_being_written(registry, tiny_model, held_writes):
+    store = stores.open_store(registry, 64 << 20)   # held_writes: a write waits until a reader (the route) waits
+    runner = TinyDiTRunner(tiny_model, "a red circle moving left")
+    noise = torch.randn((1, 3, 8, 32, 32), generator=torch.Generator().manual_seed(1))
+    writing = generate(runner, noise, flow_sigmas(6), store, CarnatorConfig(probe_steps=2)).summary()["stored_as"]
+
+    async def scenario(client):
+        response = await client.get("/carnator/entries")
+        assert [e["id"] for e in (await response.json())["entries"]] == [writing]
+        generate(TinyDiTRunner(tiny_model, "a blue square moving up"), noise, flow_sigmas(6), store,
+                 CarnatorConfig(probe_steps=2))
+        response = await client.post("/carnator/clear", json={"confirm": True})
+        assert (await response.json())["deleted"] == 2    # none of them comes back after the clear
+    run_client(scenario)
+    assert store.records(include_corrupt=True) == []
+
+
 def test_unexpected_failures_are_json_500(registry):
     web = pytest.importorskip("aiohttp.web")
     test_utils = pytest.importorskip("aiohttp.test_utils")
