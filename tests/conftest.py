@@ -7,7 +7,6 @@ a CUDA GPU, skips on a machine without one, and is the only test allowed to skip
 """
 import os
 import sys
-import threading
 
 import pytest
 import torch
@@ -35,30 +34,11 @@ def store(tmp_path):
     opened.close()
 
 
-GUARD = 60.0   # seconds: ends a test whose event never came; a passing test never reaches it
-
-
 @pytest.fixture
 def held_writes(monkeypatch):
-    """Each store write (CarnatorStore.put, in the store's background writer) waits until some thread has to wait
-    for a writer (a reader settling, a submit with a full queue, close): a write still pending exactly when a missing
-    wait would show, with no timing. Set the event it yields to let a write go; the write clears it, so the next
-    one is held again. Set at teardown, so a store closed after the test writes out what it holds."""
-    from carnator_engine.store import CarnatorStore
-    from carnator_engine.write_back import BackgroundWriter
-    release = threading.Event()
-    put, wait = CarnatorStore.put, BackgroundWriter._wait_for_the_thread
-
-    def held(self, **entry):
-        assert release.wait(GUARD), "nothing waited for this write"
-        release.clear()
-        return put(self, **entry)
-
-    def waiting(self):
-        release.set()
-        wait(self)
-    monkeypatch.setattr(CarnatorStore, "put", held)
-    monkeypatch.setattr(BackgroundWriter, "_wait_for_the_thread", waiting)
+    """Store writes held until a thread has to wait for them (tests/held_writes.py); let go at teardown."""
+    from held_writes import hold_writes
+    release = hold_writes(monkeypatch)
     yield release
     release.set()
 

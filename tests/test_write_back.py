@@ -3,9 +3,9 @@ written; this process's later reads see what it queued, another process sees an 
 write is the next request's warning and leaves the committed entries as they were; the queue is bounded, written
 out by close() and at exit, and the size limit still holds.
 
-Ordering is made with events, never with timing: the `held_writes` fixture (conftest.py) keeps every store write
-waiting until some thread has to wait for the writer, which is exactly the moment a missing wait would show. GUARD
-only ends a test that went wrong; no passing test reaches it.
+Ordering is made with events, never with timing: the `held_writes` fixture (tests/held_writes.py) keeps every store
+write waiting until some thread has to wait for the writer, which is exactly the moment a missing wait would show.
+GUARD only ends a test that went wrong; no passing test reaches it.
 """
 import os
 import subprocess
@@ -18,7 +18,7 @@ import torch
 from carnator_engine.backends.disk import DiskBackend
 from carnator_engine.store import CarnatorStore
 from carnator_engine.write_back import BackgroundWriter
-from conftest import GUARD
+from held_writes import GUARD
 from test_pipeline import _run, _through_the_gate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
