@@ -56,6 +56,7 @@ def test_frontend_reads_the_workflow_as_meant_and_runs_it(tmp_path):
         result = json.loads(lines[-1])
         assert "error" not in result, result["error"]
         history = run_on_the_server(server, result["prompt"], model_name)
+        server.json("GET", "/carnator/entries")   # returns once the server's background write is done
         server_log = server.log()
     assert history["status"]["status_str"] == "success", json.dumps(history["status"])[-3000:] + server_log[-3000:]
     shown = history["outputs"]["7"]["text"][0]

@@ -45,6 +45,7 @@ def sample(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STE
                                          "simple", probe_steps, risk, sparse_attention, attention_density,
                                          unique_id=unique_id, prompt=prompt, **experts)
     latent_out, summary_json = out.result
+    cache.writer.settle()   # the tests read the store directly; the next request and the routes wait by themselves
     summary = json.loads(summary_json)
     verdict = "REPEAT" if summary["exact_repeat"] else "HIT" if summary["reuse"] else "MISS"
     assert hostsetup.shown_text(out).startswith("Carnator " + verdict)
@@ -58,6 +59,7 @@ def nudged(conditioning):
 
 
 def store_state(store):
+    store.writer.settle()   # what it holds once the generations queued for it are written
     return sorted((r.entry_id, r.hits, r.sig_sha256, r.blob_sha256) for r in store.records(include_corrupt=True))
 
 
