@@ -6,18 +6,14 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
-from test_gpu_speed_smoke import ROOT, _skip_reason, run_smoke
+from test_gpu_speed_smoke import ROOT, run_smoke, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_backbones.py")
 TIME_LIMIT_S = 600
 
 
 def test_gpu_backbones_smoke(tmp_path):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_without_comfyui()
     out = tmp_path / "backbones.json"
     proc = run_smoke([SCRIPT, "--smoke", "--steps", "10", "--probe", "2", "--resume", "5", "--out", str(out)],
                      TIME_LIMIT_S)

@@ -8,17 +8,13 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from test_gpu_speed_smoke import ROOT, TIME_LIMIT_S, _skip_reason
+from test_gpu_speed_smoke import ROOT, TIME_LIMIT_S, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_compose.py")
 
 
 def test_gpu_compose_smoke(tmp_path):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_without_comfyui()
     out = tmp_path / "compose.json"
     completed = subprocess.run([sys.executable, SCRIPT, "--smoke", "--skip-cfg5", "--easycache-thresholds", "0.1",
                                 "--device", "cpu", "--out", str(out), "--store-dir", str(tmp_path)],

@@ -39,6 +39,12 @@ def _skip_reason():
     return None
 
 
+def skip_without_comfyui() -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
 def run_smoke(command: list, time_limit_s: int):
     """Runs a benchmark script on the CPU with the ComfyUI it would find; the limit only stops a hung run.
     Returns the finished process (exit status 0 checked)."""
@@ -50,9 +56,7 @@ def run_smoke(command: list, time_limit_s: int):
 
 
 def test_gpu_speed_smoke(tmp_path):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_without_comfyui()
     out = tmp_path / "smoke.json"
     proc = run_smoke([SCRIPT, "--smoke", "--device", "cpu", "--repeats", "1", "--out", str(out),
                       "--store-dir", str(tmp_path)], TIME_LIMIT_S)

@@ -5,17 +5,13 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
-from test_gpu_speed_smoke import ROOT, TIME_LIMIT_S, _skip_reason, run_smoke
+from test_gpu_speed_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "write_back.py")
 
 
 def test_write_back_benchmark_smoke(tmp_path):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_without_comfyui()
     out = tmp_path / "write_back.json"
     proc = run_smoke([SCRIPT, "--preset", "smoke", "--repeats", "1", "--session", "2", "--out", str(out),
                       "--store-dir", str(tmp_path)], TIME_LIMIT_S)
