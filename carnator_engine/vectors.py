@@ -66,11 +66,12 @@ class BucketMatrix:
         self.ids = list(ids or [])
         count = len(self.ids)
         self.rows = np.zeros((max(16, count), VECTOR_DIM), dtype=np.float16)
-        if count:
-            self.rows[:count] = rows
-        wide = self.rows[:count].astype(np.float32)
         self.norms = np.zeros(len(self.rows), dtype=np.float32)
-        self.norms[:count] = np.einsum("ij,ij->i", wide, wide)
+        for start in range(0, count, self.CHUNK):   # float32 a chunk at a time, not a second matrix
+            stop = min(count, start + self.CHUNK)
+            self.rows[start:stop] = rows[start:stop]
+            wide = self.rows[start:stop].astype(np.float32)
+            self.norms[start:stop] = np.einsum("ij,ij->i", wide, wide)
         self.position = {entry_id: row for row, entry_id in enumerate(self.ids)}
 
     def __len__(self) -> int:
