@@ -52,6 +52,13 @@ def compact_vector(signature: EarlySignature) -> torch.Tensor:
     return compact_vectors([signature])[0]
 
 
+def _squared_norms(rows: np.ndarray) -> np.ndarray:
+    """Of float16 rows, in float32; one computation for a row added and for rows loaded in bulk, so both give
+    the same bits."""
+    wide = rows.astype(np.float32)
+    return np.einsum("ij,ij->i", wide, wide)
+
+
 class BucketMatrix:
     """One bucket's vectors as rows of a matrix. Rows are float16, as vectors are stored (half the memory of
     float32, nothing lost); removals swap the last row in; the matrix grows by a quarter, not by doubling (a
@@ -70,8 +77,7 @@ class BucketMatrix:
         for start in range(0, count, self.CHUNK):   # float32 a chunk at a time, not a second matrix
             stop = min(count, start + self.CHUNK)
             self.rows[start:stop] = rows[start:stop]
-            wide = self.rows[start:stop].astype(np.float32)
-            self.norms[start:stop] = np.einsum("ij,ij->i", wide, wide)
+            self.norms[start:stop] = _squared_norms(self.rows[start:stop])
         self.position = {entry_id: row for row, entry_id in enumerate(self.ids)}
 
     def __len__(self) -> int:
@@ -86,8 +92,7 @@ class BucketMatrix:
             self.rows = np.concatenate([self.rows, np.zeros((grown - n, VECTOR_DIM), dtype=np.float16)])
             self.norms = np.concatenate([self.norms, np.zeros(grown - n, dtype=np.float32)])
         self.rows[n] = vector
-        wide = self.rows[n].astype(np.float32)
-        self.norms[n] = float(np.dot(wide, wide))
+        self.norms[n] = _squared_norms(self.rows[n:n + 1])[0]
         self.ids.append(entry_id)
         self.position[entry_id] = n
 
