@@ -182,8 +182,16 @@ class DiskBackend:
         return self._guard("read an entry", lambda: self._cache.get(f"m:{entry_id}"))
 
     def part(self, entry_id: str, kind: str):
+        return self.parts([entry_id], kind)[0]
+
+    def parts(self, entry_ids: list, kind: str) -> list:
+        """One part of each of several entries (bytes or None each). Key by key: on a store of 100k entries one
+        SQL query for a lookup's 32 signatures measured no faster than 32 reads through diskcache (~2 ms warm)."""
         if kind != "blob":
-            return self._guard("read an entry", lambda: self._cache.get(f"{kind[0]}:{entry_id}"))
+            return self._guard("read an entry", lambda: [self._cache.get(f"{kind[0]}:{e}") for e in entry_ids])
+        return [self._blob(entry_id) for entry_id in entry_ids]
+
+    def _blob(self, entry_id: str):
         try:
             with open(self._blob_path(entry_id), "rb") as handle:
                 return handle.read()
@@ -192,10 +200,6 @@ class DiskBackend:
         except OSError as error:
             raise StoreError(f"Carnator cache {self.location!r} could not read a blob ({error}): "
                              f"{_advice(error)}") from error
-
-    def parts(self, entry_ids: list, kind: str) -> list:
-        """One part of each of several entries (bytes or None each): diskcache reads one key at a time."""
-        return [self.part(entry_id, kind) for entry_id in entry_ids]
 
     def _scan(self, columns: str):
         """diskcache's rows of the metadata keys, SCAN_BATCH at a time, through a read-only connection of its own:
