@@ -65,11 +65,11 @@ class BucketMatrix:
     doubled 100k matrix held 31k empty rows). A lookup converts CHUNK rows at a time to float32 and multiplies
     them: a chunk stays in the CPU's cache, so this reads half the bytes of a float32 matrix and runs faster."""
 
-    CHUNK = 8192
+    CHUNK = 4096    # rows converted at a time: 4 MB of float32, cache-sized (8192 measured slower at 100k)
     GROWTH = 1.25
 
     def __init__(self, ids: Optional[list] = None, rows: Optional[np.ndarray] = None):
-        """Empty, or holding `ids` with their float16 `rows` (a snapshot's)."""
+        """Empty, or holding `ids` with their float16 `rows` (what a snapshot or a rebuild loads)."""
         self.ids = list(ids or [])
         count = len(self.ids)
         self.rows = np.zeros((max(16, count), VECTOR_DIM), dtype=np.float16)

@@ -301,9 +301,9 @@ class DiskBackend:
     def reclaim_orphans(self) -> tuple:
         """Blob files no metadata refers to (a crash between a blob's write and its commit, or between a delete's
         commit and its unlink), and temporary files of interrupted writes, older than the grace period. Which
-        ids have metadata is one scan of the keys, not a read per blob (that was 10 s at every open of a store of
-        100k); a blob that looks orphaned is checked by its own key once more, since another process may have
-        committed its entry after the scan."""
+        ids have metadata is one scan of the keys (0.15 s at 100k entries), not a read per blob (2.5 s at every
+        open, page cache warm); a blob that looks orphaned is checked by its own key once more, since another
+        process may have committed its entry after the scan."""
         live = self._guard("list its entries", self._meta_ids)
         snapshot_temporaries = [item for item in os.scandir(self.location)
                                 if item.name.startswith(SNAPSHOT_FILE + ".") and item.name.endswith(".tmp")]
