@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -243,6 +244,8 @@ def main(argv=None) -> int:
     parser.add_argument("--puts", type=int, default=20)
     parser.add_argument("--blob-repeats", type=int, default=3, help="0 skips the blob transport measurement")
     parser.add_argument("--root", default=None, help="parent of the temporary stores (default: /tmp)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the temporary stores (17 GB at 100k entries on disk) to profile them afterwards")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="benchmarks/results/store/store_scale.json")
     args = parser.parse_args(argv)
@@ -264,7 +267,7 @@ def main(argv=None) -> int:
                 fill_s = fill(location, signatures, have, size)
                 have = size
                 row = {"backend": backend, **measure(location, signatures, size, args.queries, args.puts),
-                       "fill_s": round(fill_s, 1)}
+                       "fill_s": round(fill_s, 1), "load_average_1min": round(os.getloadavg()[0], 1)}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
                 write(args.out, rows, None, load, args)   # a run cut short keeps what it measured
@@ -276,6 +279,8 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
     print("\n" + table(rows))
     for verdict in against_goals(rows):
         print(f"{verdict['field']} {verdict['backend']} {verdict['entries']}: {verdict['value']} against <= "
