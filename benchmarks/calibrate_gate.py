@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     sigmas = flow_sigmas(args.steps)
     resume_steps = [int(s) for s in args.resume_steps.split(",")]
     # Permissive thresholds: we want every pair's numbers, and a forced hit at each resume step.
-    loose = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, max_target_fraction=1.0,
+    loose = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, max_context_share=1.0, max_target_fraction=1.0,
                  max_resume_fraction=0.95, min_saved_steps=1)
     generator = torch.Generator().manual_seed(0)
     report = {}
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             rows.append(row)
         report[kind] = rows
         numbers = {key: [r["numbers"].get(key, float("nan")) for r in rows]
-                   for key in ("hidden", "attention", "context", "target_fraction", "denoised")}
+                   for key in ("hidden", "attention", "context", "context_share", "chance", "target_fraction", "denoised")}
         summary = {key: (min(v), statistics.median(v), max(v)) for key, v in numbers.items()}
         correct = {k: sum(r["correct_at"].get(k, False) for r in rows) / len(rows) for k in resume_steps}
         print(f"\n{kind}")

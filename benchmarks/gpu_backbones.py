@@ -60,18 +60,24 @@ SMOKE = {
 }
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_parser(description, backbones):
+    """The arguments every per-backbone benchmark takes: output, smoke, which backbones, the host, N, p and seed."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny models, CPU-friendly")
-    parser.add_argument("--only", default=",".join(BACKBONES), help="comma-separated backbones to run")
+    parser.add_argument("--only", default=",".join(backbones), help="comma-separated backbones to run")
     parser.add_argument("--comfyui", default=None)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--probe", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = common_parser(__doc__.split("\n\n")[0], BACKBONES)
     parser.add_argument("--resume", type=int, default=10)
     parser.add_argument("--max-density", type=float, default=0.3)
     parser.add_argument("--block-size", type=int, default=None, help="default 128 (32 with --smoke)")
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -145,12 +151,11 @@ def build_ltxv(spec, device, dtype, seed):
 
 
 def build(spec, device, dtype, seed):
-    """(models, parameters, conditioning maker): one model, or Wan 2.2 A14B's two experts."""
+    """(models, parameters): one model, or for Wan the experts its spec names (Wan 2.2 A14B: two, the default)."""
     if spec["kind"] == "wan":
         preset = dict(dim=spec["dim"], layers=spec["layers"], ffn=spec["ffn"])
-        high, params = gs.build_model(preset, device, dtype, seed)
-        low, _ = gs.build_model(preset, device, dtype, seed + 1)
-        return [high, low], 2 * params
+        experts = [gs.build_model(preset, device, dtype, seed + i) for i in range(spec.get("experts", 2))]
+        return [model for model, _ in experts], sum(params for _, params in experts)
     builder = build_hunyuan if spec["kind"] == "hunyuan" else build_ltxv
     model, params = builder(spec, device, dtype, seed)
     if spec["kind"] == "ltxv" and device.type == "cpu":
@@ -316,14 +321,33 @@ def measure(name, spec, args, device, dtype, log):
         log(f"{name}: new seed reuse={out['new_seed']['reuse']}, other conditioning "
             f"reuse={out['other_conditioning']['reuse']}")
     finally:
-        shutil.rmtree(root, ignore_errors=True)
         del models, runner
-        gc.collect()
-        if torch.cuda.is_available():
-            import comfy.model_management as mm
-            mm.unload_all_models()
-            mm.soft_empty_cache()
+        release(root)
     return out
+
+
+def release(root):
+    """After a backbone: its store folder and its models' device memory, before the next one is built."""
+    shutil.rmtree(root, ignore_errors=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        import comfy.model_management as mm
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+
+
+def measure_each(args, specs, measure, device, dtype, log, out, save=lambda: None):
+    """measure(name, spec, args, device, dtype, log) for every backbone of --only into out["results"]; a backbone
+    that fails records its traceback and the next one still runs."""
+    for name in [name for name in args.only.split(",") if name]:
+        if name not in specs:
+            raise SystemExit(f"unknown backbone {name!r}: choose among {', '.join(specs)}")
+        try:
+            out["results"][name] = measure(name, specs[name], args, device, dtype, log)
+        except Exception:
+            out["results"][name] = {"error": traceback.format_exc()}
+            log(f"{name} FAILED:\n{out['results'][name]['error']}")
+        save()
 
 
 def _pct(value, base):
@@ -373,15 +397,7 @@ def run(args):
         with open(args.out, "w") as handle:
             json.dump(out, handle, indent=2, default=str)
 
-    for name in [name for name in args.only.split(",") if name]:
-        if name not in specs:
-            raise SystemExit(f"unknown backbone {name!r}: choose among {', '.join(specs)}")
-        try:
-            out["results"][name] = measure(name, specs[name], args, device, dtype, log)
-        except Exception:
-            out["results"][name] = {"error": traceback.format_exc()}
-            log(f"{name} FAILED:\n{out['results'][name]['error']}")
-        save()
+    measure_each(args, specs, measure, device, dtype, log, out, save)
     out["total_seconds"] = time.perf_counter() - started
     save()
     print_table(out)

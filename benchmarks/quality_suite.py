@@ -68,17 +68,25 @@ RUNS = {
 }
 # what a user would pick instead, per request (a plain 12- or 14-step schedule, the EasyCache rule at about 2x),
 # and Carnator (refine on, the product's default) on top of each
-PER_REQUEST = ["--step-cache-threshold", "0.05", "--methods", "no_reuse,steps_12,steps_14,easycache,carnator_refine,"
+STEP_CACHE = ["--step-cache-threshold", "0.05"]
+PER_REQUEST = [*STEP_CACHE, "--methods", "no_reuse,steps_12,steps_14,easycache,carnator_refine,"
                "carnator_refine+easycache,carnator_refine+steps_14"]
 RUNS["per_request"] = PER_REQUEST
+# the same methods split in two runs that go side by side (each about half the time: a pooled set's seven methods
+# take longer than one device call); benchmarks/tradeoff.py joins a set's runs
+PER_REQUEST_ALONE = [*STEP_CACHE, "--methods", "no_reuse,steps_12,steps_14,easycache,carnator_refine"]
+PER_REQUEST_ON_TOP = [*STEP_CACHE, "--methods", "no_reuse,carnator_refine+easycache,carnator_refine+steps_14"]
 # pooled configuration -> quality.py arguments, run on every pooled set
-POOLED_RUNS = {"balanced": ["--methods", "no_reuse,text_similarity,carnator"],
+# the check every change to the gate, signature, localization or resume re-runs: the product default against no reuse
+POOLED_RUNS = {"default": ["--methods", "no_reuse,carnator_refine"],
+               "balanced": ["--methods", "no_reuse,text_similarity,carnator"],
                "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
                "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
                "balanced_refine": PLAIN_AND_REFINE,
                "aggressive_refine": ["--risk", "aggressive", *PLAIN_AND_REFINE],
                "never_refuse_12": NEVER_REFUSE_12,
-               "per_request": PER_REQUEST}
+               "per_request": PER_REQUEST, "per_request_alone": PER_REQUEST_ALONE,
+               "per_request_on_top": PER_REQUEST_ON_TOP}
 RUNS.update({f"pooled{seed}_{config}": arguments for config, arguments in POOLED_RUNS.items() for seed in POOLED_SEEDS})
 FIRST = ("balanced", "replication_seed1", *(f"pooled{seed}_balanced" for seed in POOLED_SEEDS))
 # --only takes run names or these groups; with no --only the suite runs "cpu", what RESULTS.md's CPU tables need

@@ -23,14 +23,25 @@ from quality_suite import label, pool  # noqa: E402
 KINDS = (("iteration_stream", "iteration stream"), ("adversarial_pairs", "adversarial pairs"))
 
 
-def pooled(paths: list) -> dict:
-    """kind -> method -> pooled summary over the files (each file one request set)."""
-    results = []
+def request_sets(paths: list) -> list:
+    """One results dict per request set: files of the same set (its seed, sizes and seed habit; each holds that
+    set's no_reuse reference) are joined, so a set split over several runs counts its requests once."""
+    sets = {}
     for path in paths:
         with open(path) as handle:
-            results.append(json.load(handle)["results"])
+            data = json.load(handle)
+        args = data["args"]
+        key = (args["seed"], args["stream"], args["pairs"], args["fixed_seed"], args["restart_every"])
+        joined = sets.setdefault(key, {kind: {} for kind, _ in KINDS})
+        for kind, _ in KINDS:
+            joined[kind].update(data["results"][kind])
+    return list(sets.values())
+
+
+def pooled(results: list) -> dict:
+    """kind -> method -> pooled summary over the request sets, methods in the order the runs list them."""
     return {kind: {method: pool([r[kind][method] for r in results if method in r[kind]])
-                   for method in results[0][kind]} for kind, _ in KINDS}
+                   for method in dict.fromkeys(m for r in results for m in r[kind])} for kind, _ in KINDS}
 
 
 def table(totals: dict, sets: int) -> str:
@@ -80,8 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--png", help="plot to write")
     parser.add_argument("--md", help="markdown table to write")
     args = parser.parse_args(argv)
-    totals = pooled(args.results)
-    text = table(totals, len(args.results))
+    sets = request_sets(args.results)
+    totals = pooled(sets)
+    text = table(totals, len(sets))
     print(text)
     if args.md:
         with open(args.md, "w") as handle:

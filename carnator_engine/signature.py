@@ -98,10 +98,22 @@ class SignatureDistance:
     denoised: float      # RMS difference of the coarse x0-hat, in noise units
     attention: float     # mean total-variation distance of attention rows
     cell_map: torch.Tensor  # [Tg, Hg, Wg] per-cell RMS x0-hat difference over channels, in noise units
+    chance: float        # the RMS x0-hat difference of two unrelated estimates of this model and shape
 
     def as_dict(self) -> dict:
         return {"hidden": round(self.hidden, 5), "denoised": round(self.denoised, 5),
-                "attention": round(self.attention, 5)}
+                "attention": round(self.attention, 5), "chance": round(self.chance, 5)}
+
+
+def chance_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The RMS difference of two coarse x0-hat grids [C, Tg, Hg, Wg] if their cells were matched at random: per
+    channel, var(a) + var(b) + (mean a - mean b)^2 over cells. Two estimates that agree no better than unrelated
+    ones (another seed on a model whose early estimate is still noise-like, where pooling leaves only chance
+    differences of a few hundredths) sit near 1x this; the model's own spread across cells is the unit, so the
+    gate's share of it means the same on every backbone and size."""
+    a, b = a.flatten(1), b.flatten(1)
+    spread = a.var(1, unbiased=False) + b.var(1, unbiased=False) + (a.mean(1) - b.mean(1)).pow(2)
+    return spread.mean().sqrt().item()
 
 
 def signature_distance(a: EarlySignature, b: EarlySignature) -> SignatureDistance:
@@ -119,7 +131,8 @@ def signature_distance(a: EarlySignature, b: EarlySignature) -> SignatureDistanc
         attention = 0.5 * (a.attention - b.attention).abs().sum(-1).mean().item()
     else:
         attention = 0.0
-    return SignatureDistance(hidden=hidden, denoised=denoised, attention=attention, cell_map=cell_map)
+    return SignatureDistance(hidden=hidden, denoised=denoised, attention=attention, cell_map=cell_map,
+                             chance=chance_distance(a.denoised, b.denoised))
 
 
 def shortlist_scores(query: EarlySignature, others: list) -> list:

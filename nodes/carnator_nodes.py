@@ -308,15 +308,16 @@ class CarnatorSignatureCacheLookup(io.ComfyNode):
 
 _OVERRIDES = ("max_hidden", "max_attention", "max_context", "cell_threshold", "max_target_fraction",
               "max_resume_fraction")
+_LATER_OVERRIDES = ("max_context_share",)   # after the switches, so saved workflows keep their widget order
 
 
 class CarnatorCompatibilityGate(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         balanced = RISK_POLICIES["balanced"]
-        thresholds = [io.Float.Input(name, default=0.0, min=0.0, max=10.0, step=0.001, optional=True,
-                                     tooltip=f"0 = preset ({getattr(balanced, name)} for balanced)")
-                      for name in _OVERRIDES]
+        thresholds, later = ([io.Float.Input(name, default=0.0, min=0.0, max=10.0, step=0.001, optional=True,
+                                             tooltip=f"0 = preset ({getattr(balanced, name)} for balanced)")
+                              for name in names] for names in (_OVERRIDES, _LATER_OVERRIDES))
         return io.Schema(
             node_id="CarnatorCompatibilityGate", display_name="Carnator Compatibility Gate", category=CATEGORY,
             description="Decides, from the model's own early states, whether to reuse a cached trajectory and from "
@@ -333,7 +334,7 @@ class CarnatorCompatibilityGate(io.ComfyNode):
                         "call).")),
                     io.Boolean.Input("shrink_with_risk", default=balanced.shrink_with_risk, optional=True, tooltip=(
                         "Resume earlier the closer the match is to a limit. Off: every accepted match resumes at "
-                        "the furthest step the risk level allows."))],
+                        "the furthest step the risk level allows.")), *later],
             outputs=[DecisionType.Output("decision", display_name="decision", tooltip="The decision (reuse or not, "
                                          "the entry, the resume step k, the target region): connect it to the "
                                          "Trajectory Resume."),
@@ -352,7 +353,7 @@ class CarnatorCompatibilityGate(io.ComfyNode):
         # a switch left unset keeps the risk preset's value
         overrides = {name: bool(thresholds.pop(name)) for name in SWITCHES if name in thresholds}
         for name, value in thresholds.items():
-            if name not in _OVERRIDES and name != "min_saved_steps":
+            if name not in _OVERRIDES + _LATER_OVERRIDES and name != "min_saved_steps":
                 continue
             value = check_number(node, name, value)
             if value < 0:

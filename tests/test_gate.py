@@ -135,7 +135,8 @@ def test_empty_store_is_a_miss():
 
 
 @pytest.mark.parametrize("override", [{"max_hidden": -1.0}, {"cell_threshold": 0.0}, {"max_target_fraction": 1.5},
-                                      {"max_resume_fraction": float("nan")}, {"min_saved_steps": 0}])
+                                      {"max_resume_fraction": float("nan")}, {"min_saved_steps": 0},
+                                      {"max_context_share": 0.0}, {"max_context_share": 11.0}])
 def test_absurd_thresholds_are_refused(override):
     with pytest.raises(ValueError):
         policy_for("balanced", **override)
@@ -151,3 +152,26 @@ def test_a_nan_distance_is_incompatible_not_a_crash():
     broken[0, 0, 0, 0] = float("nan")
     decision = decide([_candidate(_sig(broken), _sig(BASE))], 20, 3, policy_for("balanced"), "balanced")
     assert not decision.reuse and any("nan over limit" in r for r in decision.reasons)
+
+
+def test_estimates_that_agree_no_better_than_chance_are_refused_however_small():
+    # At 480p a signature cell pools ~160 latent voxels, so two unrelated early estimates (another seed on a model
+    # whose estimate is still noise-like) differ by only ~0.1 noise units: inside max_context, a wrong hit unless
+    # the difference is read against what unrelated estimates of this model and shape differ by.
+    draw = torch.Generator().manual_seed(3)
+    cached, other_seed = (0.08 * torch.randn(16, 8, 8, 8, generator=draw) for _ in range(2))
+    policy = policy_for("balanced")
+    decision = decide([_candidate(_sig(other_seed), _sig(cached))], 20, 3, policy, "balanced")
+    assert not decision.reuse
+    assert decision.numbers["context"] < policy.max_context           # noise units alone would have reused it
+    assert decision.numbers["context_share"] == pytest.approx(1.0, abs=0.1)
+    assert any("share of two unrelated estimates" in r and "over" in r for r in decision.reasons)
+    nudged = cached + 1e-3 * torch.randn(cached.shape, generator=draw)
+    decision = decide([_candidate(_sig(nudged), _sig(cached))], 20, 3, policy, "balanced")
+    assert decision.reuse and decision.numbers["context_share"] < 0.05
+
+
+def test_a_constant_estimate_has_no_chance_scale_and_is_never_a_hit():
+    flat = torch.zeros(3, 8, 8, 8)
+    decision = decide([_candidate(_sig(flat), _sig(flat.clone()))], 20, 3, policy_for("balanced"), "balanced")
+    assert not decision.reuse and decision.numbers["context_share"] == float("inf")

@@ -1,6 +1,8 @@
-"""CPU smoke run of benchmarks/gpu_backbones.py at tiny size: Wan 2.2 A14B's two experts, HunyuanVideo and
-LTX-Video through the ComfyUI adapter with the default gate (plumbing, JSON and table; not speed). Skipped like
-the gpu_speed smoke test; the time limit only stops a hung run."""
+"""CPU smoke runs at tiny size of benchmarks/gpu_backbones.py (Wan 2.2 A14B's two experts, HunyuanVideo and
+LTX-Video through the ComfyUI adapter with the default gate: plumbing, JSON and table; not speed) and of
+benchmarks/gate_transfer.py (per backbone one stored miss, then the default gate with no overrides answers nudged,
+new-seed and new-text requests, each with the share of chance it was judged by; the real-size margins are measured
+on the GPU). Skipped like the gpu_speed smoke test; the time limit only stops a hung run."""
 from __future__ import annotations
 
 import json
@@ -10,18 +12,21 @@ import pytest
 
 from test_gpu_speed_smoke import ROOT, _skip_reason, run_smoke
 
-SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_backbones.py")
 TIME_LIMIT_S = 600
 
 
-def test_gpu_backbones_smoke(tmp_path):
+def smoke(tmp_path, script, *arguments):
+    """(the process, its JSON) of one benchmark's smoke run."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    out = tmp_path / "backbones.json"
-    proc = run_smoke([SCRIPT, "--smoke", "--steps", "10", "--probe", "2", "--resume", "5", "--out", str(out)],
-                     TIME_LIMIT_S)
-    data = json.loads(out.read_text())
+    out = tmp_path / "out.json"
+    proc = run_smoke([os.path.join(ROOT, "benchmarks", script), "--smoke", *arguments, "--out", str(out)], TIME_LIMIT_S)
+    return proc, json.loads(out.read_text())
+
+
+def test_gpu_backbones_smoke(tmp_path):
+    proc, data = smoke(tmp_path, "gpu_backbones.py", "--steps", "10", "--probe", "2", "--resume", "5")
     assert data["gate_overrides"] == {} and set(data["results"]) == {"wan2.2-a14b", "hunyuan-13b", "ltxv-2b"}
     for name, res in data["results"].items():
         assert "error" not in res, res.get("error")
@@ -32,3 +37,19 @@ def test_gpu_backbones_smoke(tmp_path):
         assert {"speedup_vs_plain", "ideal", "peak_hit_vs_plain_pct"} <= set(res["summary"])
     assert data["results"]["wan2.2-a14b"]["switch_step"] == 5
     assert "| backbone |" in proc.stdout
+
+
+def test_gate_transfer_smoke(tmp_path):
+    proc, data = smoke(tmp_path, "gate_transfer.py")
+    assert data["gate_overrides"] == {}
+    assert set(data["results"]) == {"wan2.1-1.3b", "wan2.2-a14b", "hunyuan-13b", "ltxv-2b"}
+    for name, result in data["results"].items():
+        assert "error" not in result, result.get("error")
+        answers = {label: [a for a in result["requests"] if a["request"] == label]
+                   for label in ("nudged noise", "nudged text", "new seed", "new text")}
+        assert [len(group) for group in answers.values()] == [1, 1, 3, 2], name
+        for answer in answers["nudged noise"] + answers["nudged text"]:
+            assert answer["reuse"] and answer["numbers"]["context_share"] < 0.1, (name, answer)
+        for answer in answers["new seed"]:
+            assert not answer["reuse"], (name, answer)
+    assert data["answered"] == 28 and "| share of chance |" in proc.stdout

@@ -196,3 +196,28 @@ def test_every_file_results_md_names_exists():
     assert missing == []
     named = re.findall(r"`(results/[^`*{]+)`", text)          # plain mentions (no wildcard) must exist too
     assert [p for p in named if not os.path.exists(os.path.join(ROOT, "benchmarks", p))] == []
+
+
+def _summary(requests, wrong, right, saved):
+    return {"requests": requests, "hit_rate": 0.5, "model_calls_saved": saved, "exact_repeats": 0,
+            "attribute_accuracy": 0.9, "wrong_accepts": wrong, "made_wrong": wrong, "made_right": right}
+
+
+def test_tradeoff_joins_the_runs_of_one_request_set_and_counts_its_requests_once(tmp_path):
+    # A pooled set's methods run split over two files (quality_suite's per_request_alone / per_request_on_top), each
+    # with the set's no_reuse reference: pooled, every set's requests count once, every method of both files shows.
+    def write(name, seed, methods):
+        args = {"seed": seed, "stream": 4, "pairs": 2, "fixed_seed": False, "restart_every": 10}
+        results = {kind: {m: _summary(n, *methods[m]) for m in methods}
+                   for kind, n in (("iteration_stream", 4), ("adversarial_pairs", 2))}
+        (tmp_path / name).write_text(json.dumps({"args": args, "results": results}))
+        return str(tmp_path / name)
+    paths = [write("a2.json", 2, {"no_reuse": (0, 0, 0.0), "steps_12": (1, 0, 0.4)}),
+             write("b2.json", 2, {"no_reuse": (0, 0, 0.0), "carnator_refine+steps_14": (0, 1, 0.5)}),
+             write("a3.json", 3, {"no_reuse": (0, 0, 0.0), "steps_12": (1, 0, 0.4)})]
+    tradeoff = _script("tradeoff")
+    sets = tradeoff.request_sets(paths)
+    totals = tradeoff.pooled(sets)["iteration_stream"]
+    assert len(sets) == 2 and totals["no_reuse"]["requests"] == 8
+    assert totals["steps_12"]["requests"] == 8 and totals["steps_12"]["made_wrong"] == 2
+    assert totals["carnator_refine+steps_14"]["requests"] == 4 and totals["carnator_refine+steps_14"]["made_right"] == 1

@@ -561,7 +561,7 @@ NODE_INPUTS = {
     "CarnatorSignatureCacheLookup": ["cache", "probe", "limit"],
     "CarnatorCompatibilityGate": ["probe", "matches", "risk", "max_hidden", "max_attention", "max_context",
                                   "cell_threshold", "max_target_fraction", "max_resume_fraction", "min_saved_steps",
-                                  "refine_target", "shrink_with_risk"],
+                                  "refine_target", "shrink_with_risk", "max_context_share"],
     "CarnatorTrajectoryResume": ["cache", "probe", "decision", "sparse_attention", "attention_density"],
     "CarnatorSampler": ["model", "cache", "positive", "negative", "latent_image", "seed", "steps", "cfg",
                         "sampler_name", "scheduler", "probe_steps", "risk", "sparse_attention", "attention_density",
