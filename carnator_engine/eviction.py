@@ -7,6 +7,7 @@ skipped when it surfaces (lazy deletion); the heap is rebuilt when stale items o
 from __future__ import annotations
 
 import heapq
+from typing import Optional
 
 
 def priority(corrupt: bool, benefit: float, last_used: float) -> tuple:
@@ -14,9 +15,11 @@ def priority(corrupt: bool, benefit: float, last_used: float) -> tuple:
 
 
 class EvictionQueue:
-    def __init__(self):
-        self._heap: list = []
-        self._keys: dict = {}
+    def __init__(self, keys: Optional[dict] = None):
+        """Empty, or holding `keys` (id -> priority), heapified at once."""
+        self._keys: dict = dict(keys or {})
+        self._heap: list = [(key, entry_id) for entry_id, key in self._keys.items()]
+        heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return len(self._keys)

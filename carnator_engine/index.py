@@ -52,28 +52,28 @@ def bucket_parts(model_fingerprint: str, latent_shape, sigmas, sampler: str) -> 
 
 
 def bucket_difference(store: CarnatorStore, parts: dict) -> str:
-    """Why a request found no entry of its bucket: what the nearest other entry differs in (fewest parts), or that the
-    cache is empty. Entries stored before their parts were kept are left out."""
-    records = store.records()
-    if not records:
-        return "the cache holds no generation yet"
+    """Why a request found no entry of its bucket: what the nearest other bucket differs in (fewest parts; equal ones:
+    the bucket whose oldest entry is oldest), or that the cache is empty. Entries stored before their parts were
+    kept are left out. From the store's memory: one example entry per bucket, no entry is read."""
+    examples = store.bucket_examples()
     best = None
-    for record in records:
-        theirs = record.extra.get("bucket") if isinstance(record.extra, dict) else None
-        if not isinstance(theirs, dict):
-            continue
+    for entry_id, theirs in examples:
         differ = [name for name in BUCKET_PARTS if theirs.get(name) != parts.get(name)]
         if "steps" in differ and "schedule" in differ:
             differ.remove("schedule")      # another step count is another schedule: say the cause only
         if differ and (best is None or len(differ) < len(best[1])):
-            best = (record, differ, theirs)
+            best = (entry_id, differ, theirs)
     if best is None:
-        return f"none of the cache's {len(records)} entries records its bucket's parts"
-    record, differ, theirs = best
+        stats = store.stats()
+        usable = stats["entries"] - stats["corrupt"]
+        if not usable:
+            return "the cache holds no generation yet"
+        return f"none of the cache's {usable} entries records its bucket's parts"
+    entry_id, differ, theirs = best
     shown = [BUCKET_PARTS[name] if name in ("model", "schedule")
              else f"{BUCKET_PARTS[name]} ({parts.get(name) or 'none'} here, {theirs.get(name) or 'none'} there)"
              for name in differ]
-    return f"the nearest cached generation, entry {record.entry_id}, differs in {', '.join(shown)}"
+    return f"the nearest cached generation, entry {entry_id}, differs in {', '.join(shown)}"
 
 
 def _finite(score: float) -> float:
@@ -86,12 +86,10 @@ def rank_score(distance: SignatureDistance) -> float:
     return _finite(distance.denoised + distance.hidden + 0.5 * distance.attention)
 
 
-def _signature(store: CarnatorStore, entry_id: str, query: EarlySignature) -> Optional[EarlySignature]:
-    try:
-        cached = store.signature_of(entry_id)
-    except StoreError:  # gone meanwhile, or corrupt (reported by the store)
-        return None
-    return cached if cached.compatible_with(query) else None
+def _comparable(store: CarnatorStore, entry_ids: list, query: EarlySignature) -> dict:
+    """{id: signature} of those entries whose signature can be compared with the query's, read in one go (the
+    store leaves out entries gone meanwhile and corrupt ones, which it reports)."""
+    return {e: s for e, s in store.signatures_of(entry_ids).items() if s.compatible_with(query)}
 
 
 def _candidate(store: CarnatorStore, entry_id: str, cached: EarlySignature,
@@ -111,7 +109,7 @@ def nearest(store: CarnatorStore, bucket: str, signature: EarlySignature, limit:
     except ValueError as error:   # a non-finite signature: nothing can be compared with it
         store.report_problem(f"no lookup: {error}")
         return []
-    cached = {e: s for e, s in ((e, _signature(store, e, signature)) for e in shortlist) if s is not None}
+    cached = _comparable(store, shortlist, signature)
     lineages = {e: store.lineage_of(e) for e in cached}
     scores = dict(zip(cached, shortlist_scores(signature, list(cached.values()))))
     ranked = sorted(cached, key=lambda e: (_finite(scores[e]), lineages[e][1]))
@@ -123,10 +121,6 @@ def nearest(store: CarnatorStore, bucket: str, signature: EarlySignature, limit:
         chosen.append(entry_id)
         if root != entry_id:
             chosen.append(root)
-    candidates = []
-    for entry_id in chosen:
-        own = cached.get(entry_id) or _signature(store, entry_id, signature)
-        candidate = _candidate(store, entry_id, own, signature) if own is not None else None
-        if candidate is not None:
-            candidates.append(candidate)
-    return sorted(candidates, key=lambda c: (rank_score(c.distance), c.record.created))
+    cached.update(_comparable(store, [e for e in chosen if e not in cached], signature))  # roots off the shortlist
+    candidates = [_candidate(store, e, cached[e], signature) for e in chosen if e in cached]
+    return sorted((c for c in candidates if c is not None), key=lambda c: (rank_score(c.distance), c.record.created))

@@ -252,7 +252,7 @@ def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
     nearest cached generation's. Empty when the bucket has entries (then the gate's reasons say why none fit), and
     when the store cannot be read (the lookup has reported that)."""
     def work():
-        if store.records(probed.bucket, include_corrupt=True):
+        if store.holds_bucket(probed.bucket):
             return []
         return [bucket_difference(store, probed.bucket_parts)]
     return _read(store, "explaining the miss", work, [])

@@ -7,8 +7,10 @@ on a lookup's shortlist), the trajectory blob (checkpoints, attention connectivi
 and a PNG thumbnail. A part whose bytes do not match their checksum, or do not parse, makes the entry corrupt: it
 is reported, marked, evicted first and never reaches a generation; unreadable metadata is reported and removed.
 
-Lookups never scan: each bucket's compact vectors are a matrix in memory (carnator_engine/vectors.py), rebuilt at
-open and kept current from the backend's change log, which also carries other processes' writes. The size limit
+Lookups never scan: the in-memory index (memory_index.py; each bucket's compact vectors a matrix) is loaded at open
+from the backend's snapshot of it (index_snapshot.py) and the change log since, or rebuilt from every entry's
+metadata when no snapshot is usable, and kept current from the change log, which also carries other processes'
+writes. A snapshot is written after a rebuild, after every SNAPSHOT_EVERY changes and at close. The size limit
 is ours: after each write the entries with the least computational benefit (steps their hits saved, as in
 NIRVANA's LCBFU; never-hit entries first, oldest use first) leave, in the order of a heap (eviction.py), until
 the entries and the backend's own files (SQLite's) fit.
@@ -33,7 +35,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from .eviction import EvictionQueue, priority
+from . import index_snapshot
+from .memory_index import IndexedEntry, MemoryIndex
 from .plain import json_safe
 from .signature import EarlySignature
 from .vectors import VECTOR_DIM, BucketMatrix, compact_vector
@@ -45,6 +48,9 @@ MIN_SIZE_LIMIT = 1 << 20
 # The one default size limit of a cache: the Carnator Cache node, the CLI and the engine use it alike.
 DEFAULT_SIZE_LIMIT = 8 << 30
 SIGNATURE_CACHE = 256   # parsed signatures kept in memory (entries never change their signature)
+# Changes taken in from the log before the index is snapshotted again: an open replays at most this many
+# (~0.3 ms each), and a snapshot of 100k entries costs well under a second to write.
+SNAPSHOT_EVERY = 2000
 
 
 class StoreError(RuntimeError):
@@ -131,7 +137,7 @@ def _decode(data) -> tuple:
     """(record, vector) from stored metadata; ValueError for anything that is not a whole, valid record."""
     try:
         value = json.loads(bytes(data))
-        vector = np.frombuffer(base64.b64decode(value.pop("vector")), dtype=np.float16).astype(np.float32)
+        vector = np.frombuffer(base64.b64decode(value.pop("vector")), dtype=np.float16)
         record = EntryRecord(**{k: v for k, v in value.items() if k in RECORD_FIELDS})
     except Exception as error:  # noqa: BLE001 - whatever the damage, the entry is unreadable
         raise ValueError(f"metadata does not parse ({type(error).__name__})") from None
@@ -140,23 +146,25 @@ def _decode(data) -> tuple:
     return record, vector
 
 
+def _refuse_corrupt(record: EntryRecord) -> None:
+    if record.corrupt:
+        raise CorruptEntryError(f"cache entry {record.entry_id} is corrupt ({record.corrupt}); it was skipped")
+
+
 def _finite(name: str, tensor: torch.Tensor) -> None:
     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
         raise StoreError(f"{name} holds non-finite values (NaN or inf): a broken generation is never stored")
 
 
-@dataclass
-class _Indexed:
-    """What the in-memory index keeps per entry (a few fields, not the record)."""
-    bucket: str
-    size: int
-    hits: int
-    steps_saved: int
-    corrupt: bool
-    repeat_key: Optional[str]   # request key of a full generation (exact repeats), else None
-    created: float
-    root: str                   # its lineage: the full generation it descends from
-    sig_sha256: str
+def _indexed(record: EntryRecord) -> IndexedEntry:
+    repeat = record.request_key if record.reused_from is None and record.request_key else None
+    return IndexedEntry(record.bucket, record.size_bytes, record.hits, record.steps_saved, record.corrupt is not None,
+                        repeat, record.created, record.last_used, record.root, record.sig_sha256)
+
+
+def _bucket_parts(record: EntryRecord) -> Optional[dict]:
+    parts = record.extra.get("bucket") if isinstance(record.extra, dict) else None
+    return parts if isinstance(parts, dict) else None
 
 
 class CarnatorStore:
@@ -174,7 +182,7 @@ class CarnatorStore:
         if self.orphans_reclaimed:
             log.info("carnator: reclaimed %d orphan blob files (%d bytes) in %s", self.orphans_reclaimed,
                      self.orphan_bytes_reclaimed, self.location)
-        self._rebuild()
+        self._open_index()
         self.enforce_size_limit()
 
     def set_size_limit(self, size_limit_bytes: int) -> list:
@@ -184,71 +192,91 @@ class CarnatorStore:
         return self.enforce_size_limit()
 
     def close(self) -> None:
-        """Writes out the queued generations (write_back), then closes the backend."""
+        """Writes out the queued generations (write_back) and the index snapshot if it changed, then closes the
+        backend."""
         self.writer.settle()
+        with self._lock:
+            if self._unsaved:
+                self._save_snapshot()
         self._backend.close()
 
     # ---- the in-memory index ---------------------------------------------------------------------
 
+    def _open_index(self) -> None:
+        """The index from the backend's snapshot and the changes logged since (by any process), or rebuilt from
+        every entry's metadata when there is no usable snapshot."""
+        with self._lock:
+            try:
+                data = self._backend.load_snapshot()
+                loaded = index_snapshot.decode(data, self._backend.identity) if data is not None else None
+            except (StoreError, index_snapshot.UnusableSnapshot) as why:
+                log.warning("carnator: the index snapshot of %s is not used (%s): rebuilding the index from the "
+                            "entries", self.location, why)
+                loaded = None
+            if loaded is None:
+                self._rebuild()
+                return
+            (self._cursor, self._index), self._unsaved = loaded, 0
+            self._sync()    # rebuilds instead where the log no longer reaches back to the snapshot
+
     def _rebuild(self) -> None:
+        """Every entry's metadata decoded and the index assembled in bulk (100k entries: seconds, where adding
+        them one by one took half as long again)."""
         with self._lock:
             self._cursor = self._backend.cursor()  # before reading: changes made meanwhile are replayed later
-            self._entries: dict = {}
-            self._buckets: dict = {}
-            self._repeats: dict = {}
-            self._queue = EvictionQueue()
-            self._bytes = 0
+            self._signatures.clear()
+            entries, rows, parts = {}, {}, {}
             for entry_id, data in self._backend.metas():
-                self._apply(entry_id, data)
+                try:
+                    record, vector = _decode(data)
+                except ValueError as why:
+                    self._unreadable(entry_id, str(why))
+                    continue
+                indexed = entries[entry_id] = _indexed(record)
+                if not indexed.corrupt:
+                    ids, vectors = rows.setdefault(record.bucket, ([], bytearray()))
+                    ids.append(entry_id)
+                    vectors += vector.tobytes()    # one buffer, not 100k small arrays
+                if _bucket_parts(record) is not None:
+                    parts.setdefault(record.bucket, _bucket_parts(record))
+            matrices = {bucket: BucketMatrix(ids, np.frombuffer(vectors, np.float16).reshape(len(ids), VECTOR_DIM))
+                        for bucket, (ids, vectors) in rows.items()}
+            self._index = MemoryIndex.assembled(entries, matrices, parts)
+            self._save_snapshot()
 
-    def _apply(self, entry_id: str, data) -> Optional[EntryRecord]:
+    def _save_snapshot(self) -> None:
+        """Best effort: without a snapshot the next open only takes longer."""
+        self._unsaved = 0   # after a failure too: the next attempt waits for SNAPSHOT_EVERY more changes
+        try:
+            self._backend.save_snapshot(index_snapshot.encode(self._index, self._cursor, self._backend.identity))
+        except StoreError as error:
+            log.warning("carnator: %s (the next open of the store takes longer)", error)
+
+    def _unreadable(self, entry_id: str, why: str) -> None:
+        """Metadata that does not decode: reported, and the entry removed (it can never be used)."""
+        self._forget(entry_id)
+        self._report(entry_id, why, "it was removed")
+        try:
+            self._backend.remove(entry_id)
+        except StoreError as error:
+            log.warning("carnator: %s", error)
+
+    def _apply(self, entry_id: str, data) -> None:
         """Indexes one entry's stored metadata (None: it is gone); unreadable metadata is reported and removed."""
         if data is None:
             self._forget(entry_id)
-            return None
+            return
         try:
             record, vector = _decode(data)
         except ValueError as why:
-            self._forget(entry_id)
-            self._report(entry_id, str(why), "it was removed")
-            try:
-                self._backend.remove(entry_id)
-            except StoreError as error:
-                log.warning("carnator: %s", error)
-            return None
-        self._forget(entry_id)
-        repeat = record.request_key if record.reused_from is None and record.request_key else None
-        self._entries[entry_id] = _Indexed(record.bucket, record.size_bytes, record.hits, record.steps_saved,
-                                           record.corrupt is not None, repeat, record.created, record.root,
-                                           record.sig_sha256)
-        self._bytes += record.size_bytes
-        if record.corrupt is None:
-            matrix = self._buckets.get(record.bucket)
-            if matrix is None:
-                matrix = self._buckets[record.bucket] = BucketMatrix()
-            matrix.add(entry_id, vector)
-            if repeat:
-                self._repeats.setdefault((record.bucket, repeat), set()).add(entry_id)
-        self._queue.set(entry_id, priority(record.corrupt is not None, record.benefit, record.last_used))
-        return record
+            self._unreadable(entry_id, str(why))
+            return
+        self._signatures.pop(entry_id, None)
+        self._index.add(entry_id, _indexed(record), vector, _bucket_parts(record))
 
     def _forget(self, entry_id: str) -> None:
-        indexed = self._entries.pop(entry_id, None)
         self._signatures.pop(entry_id, None)
-        self._queue.discard(entry_id)
-        if indexed is None:
-            return
-        self._bytes -= indexed.size
-        matrix = self._buckets.get(indexed.bucket)
-        if matrix is not None:
-            matrix.remove(entry_id)
-            if not len(matrix):
-                del self._buckets[indexed.bucket]
-        same = self._repeats.get((indexed.bucket, indexed.repeat_key))
-        if same is not None:
-            same.discard(entry_id)
-            if not same:
-                del self._repeats[(indexed.bucket, indexed.repeat_key)]
+        self._index.forget(entry_id)
 
     def _sync(self) -> None:
         """Takes in every change made since the last call, by this process or another one."""
@@ -263,24 +291,43 @@ class CarnatorStore:
                     self._rebuild()
                     return
                 self._apply(entry_id, self._backend.meta(entry_id) if op != "del" else None)
+            self._unsaved += len(changes)
+            if self._unsaved >= SNAPSHOT_EVERY:
+                self._save_snapshot()
 
     def shortlist(self, bucket: str, signature: EarlySignature, count: int) -> list:
         """Ids of the `count` entries of `bucket` whose compact vectors are nearest the signature's."""
         vector = compact_vector(signature)
         with self._lock:
             self._sync()
-            matrix = self._buckets.get(bucket)
+            matrix = self._index.matrices.get(bucket)
             return matrix.nearest(vector, count) if matrix is not None else []
 
     def lineage_of(self, entry_id: str) -> tuple:
         """(lineage, created) of an indexed entry, from memory: the full generation it descends from, and when it
         was stored (what orders equally near candidates, oldest first)."""
         with self._lock:
-            indexed = self._entries.get(entry_id)
+            indexed = self._index.entries.get(entry_id)
             return (indexed.root, indexed.created) if indexed is not None else (entry_id, 0.0)
 
+    def holds_bucket(self, bucket: str) -> bool:
+        """Whether any entry of `bucket` is stored, corrupt ones included (from memory)."""
+        with self._lock:
+            self._sync()
+            return bucket in self._index.bucket_counts
+
+    def bucket_examples(self) -> list:
+        """(entry id, bucket parts) of the oldest usable entry of each bucket whose entries recorded their parts
+        (index.bucket_parts), oldest first: what a miss for want of a bucket is compared with (from memory)."""
+        with self._lock:
+            self._sync()
+            index = self._index
+            oldest = {bucket: index.oldest_in(bucket) for bucket in index.bucket_parts}
+            found = [(entry_id, index.bucket_parts[bucket]) for bucket, entry_id in oldest.items() if entry_id]
+            return sorted(found, key=lambda example: index.entries[example[0]].created)
+
     def index_bytes(self) -> int:
-        return sum(matrix.nbytes() for matrix in self._buckets.values())
+        return self._index.nbytes()
 
     # ---- writing ---------------------------------------------------------------------------------
 
@@ -358,13 +405,13 @@ class CarnatorStore:
     def clear(self) -> int:
         with self._lock:
             self._sync()
-            count = len(self._entries)
+            count = len(self._index)
             self._backend.clear()
             self._rebuild()
             return count
 
     def _footprint(self) -> int:
-        return self._bytes + self._backend.overhead_bytes()
+        return self._index.bytes + self._backend.overhead_bytes()
 
     def enforce_size_limit(self, keep: Optional[str] = None) -> list:
         """Evict least-benefit entries until the entries and the backend's own files fit the limit; returns the
@@ -375,7 +422,7 @@ class CarnatorStore:
             if self._footprint() > self.size_limit_bytes:
                 self._backend.compact()
             while self._footprint() > self.size_limit_bytes:
-                victim = self._queue.first(skip=keep)
+                victim = self._index.queue.first(skip=keep)
                 if victim is None:
                     break
                 self.delete(victim)
@@ -392,9 +439,9 @@ class CarnatorStore:
         for entry_id, data in self._backend.metas():
             try:
                 record, _ = _decode(data)
-            except ValueError:
+            except ValueError as why:
                 with self._lock:
-                    self._apply(entry_id, data)  # reports and removes it
+                    self._unreadable(entry_id, str(why))
                 continue
             if (bucket is None or record.bucket == bucket) and (include_corrupt or record.corrupt is None):
                 found.append(record)
@@ -404,8 +451,7 @@ class CarnatorStore:
         """The newest full generation (no hit) of exactly this request, same bucket and request key, else None."""
         with self._lock:
             self._sync()
-            same = self._repeats.get((bucket, request_key), ())
-            newest = max(same, key=lambda e: self._entries[e].created, default=None)
+            newest = self._index.newest_repeat(bucket, request_key)
         if newest is None:
             return None
         try:
@@ -421,31 +467,45 @@ class CarnatorStore:
             raise StoreError(f"no cache entry {entry_id!r} (deleted or evicted?): run the probe and lookup again")
         try:
             return _decode(data)[0]
-        except ValueError:
+        except ValueError as why:
             with self._lock:
-                self._apply(entry_id, data)
+                self._unreadable(entry_id, str(why))
             raise CorruptEntryError(f"cache entry {entry_id} is corrupt: its metadata does not parse; it was "
                                     "removed") from None
 
     def signature(self, record: EntryRecord) -> EarlySignature:
-        return self._signature(record.entry_id, record.sig_sha256, record.corrupt)
+        _refuse_corrupt(record)
+        cached = self._cached_signature(record.entry_id)
+        if cached is not None:
+            return cached
+        data = self._checked(record.entry_id, "sig", record.sig_sha256, self._backend.part(record.entry_id, "sig"))
+        return self._parsed_signature(record.entry_id, data)
 
-    def signature_of(self, entry_id: str) -> EarlySignature:
-        """An indexed entry's signature without reading its metadata (the checksum is in memory): what a lookup
-        reads for each entry of its shortlist."""
+    def signatures_of(self, entry_ids: list) -> dict:
+        """{id: signature} of indexed entries, without reading their metadata (the checksums are in memory), and
+        those not in memory read in one backend call: what a lookup reads for its shortlist. An entry that is
+        gone, marked corrupt, or found corrupt now (reported) is left out."""
         with self._lock:
-            indexed = self._entries.get(entry_id)
-        if indexed is None:
-            raise StoreError(f"cache entry {entry_id} was deleted or evicted meanwhile")
-        return self._signature(entry_id, indexed.sig_sha256, "marked corrupt" if indexed.corrupt else None)
+            indexed = {e: self._index.entries.get(e) for e in entry_ids}
+        usable = [e for e in entry_ids if indexed[e] is not None and not indexed[e].corrupt]
+        found = {e: self._cached_signature(e) for e in usable}
+        missing = [e for e in usable if found[e] is None]
+        for entry_id, data in zip(missing, self._backend.parts(missing, "sig")):
+            try:
+                found[entry_id] = self._parsed_signature(
+                    entry_id, self._checked(entry_id, "sig", indexed[entry_id].sig_sha256, data))
+            except StoreError:
+                found[entry_id] = None
+        return {e: found[e] for e in usable if found[e] is not None}
 
-    def _signature(self, entry_id: str, sha: str, corrupt: Optional[str]) -> EarlySignature:
+    def _cached_signature(self, entry_id: str) -> Optional[EarlySignature]:
         with self._lock:
             cached = self._signatures.get(entry_id)
-            if cached is not None and not corrupt:
+            if cached is not None:
                 self._signatures.move_to_end(entry_id)
-                return cached
-        data = self._checked_bytes(entry_id, corrupt, "sig", sha)
+            return cached
+
+    def _parsed_signature(self, entry_id: str, data: bytes) -> EarlySignature:
         try:
             signature = EarlySignature.from_tensors(load_safetensors(data))
         except Exception as error:  # any parse failure of stored bytes means corruption
@@ -457,7 +517,8 @@ class CarnatorStore:
         return signature
 
     def trajectory(self, record: EntryRecord) -> TrajectoryPayload:
-        data = self._checked_bytes(record.entry_id, record.corrupt, "blob", record.blob_sha256)
+        _refuse_corrupt(record)
+        data = self._checked(record.entry_id, "blob", record.blob_sha256, self._backend.part(record.entry_id, "blob"))
         try:
             tensors = load_safetensors(data)
         except Exception as error:
@@ -483,10 +544,11 @@ class CarnatorStore:
     def stats(self) -> dict:
         with self._lock:
             self._sync()
-            entries = self._entries.values()
+            entries = self._index.entries.values()
             overhead = self._backend.overhead_bytes()
-            return {"entries": len(self._entries), "corrupt": sum(e.corrupt for e in entries),
-                    "bytes": self._bytes + overhead, "entry_bytes": self._bytes, "overhead_bytes": overhead,
+            held = self._index.bytes
+            return {"entries": len(self._index), "corrupt": sum(e.corrupt for e in entries),
+                    "bytes": held + overhead, "entry_bytes": held, "overhead_bytes": overhead,
                     "size_limit_bytes": self.size_limit_bytes, "hits": sum(e.hits for e in entries),
                     "steps_saved": sum(e.steps_saved for e in entries), "directory": self.location,
                     "orphans_reclaimed": self.orphans_reclaimed, "index_bytes": self.index_bytes()}
@@ -499,10 +561,8 @@ class CarnatorStore:
 
     # ---- corruption ----------------------------------------------------------------------------
 
-    def _checked_bytes(self, entry_id: str, corrupt: Optional[str], kind: str, sha: str) -> bytes:
-        if corrupt:
-            raise CorruptEntryError(f"cache entry {entry_id} is corrupt ({corrupt}); it was skipped")
-        data = self._backend.part(entry_id, kind)
+    def _checked(self, entry_id: str, kind: str, sha: str, data: Optional[bytes]) -> bytes:
+        """An entry's part as read (None: absent), whole and matching its checksum, else reported."""
         if data is None:
             if self._backend.meta(entry_id) is None:  # deleted or evicted while it was being read
                 with self._lock:

@@ -125,6 +125,17 @@ def test_corrupt_entries_are_listed_with_their_reason(registry, tiny_model):
     assert listed["id"] == entry and "checksum" in listed["corrupt"]
 
 
+def test_damaged_metadata_leaves_the_other_entries_listed_and_counted(registry, tiny_model):
+    """Issue 16, fault 1: one metadata value that does not parse used to fail /carnator/entries and its stats."""
+    store = stores.open_store(registry, 64 << 20)
+    good = make_entry(store, tiny_model, "a red circle moving left on black background", seed=1)
+    bad = make_entry(store, tiny_model, "a blue square moving up on white background", seed=2)
+    set_raw(store, bad, "meta", b"\x80\x04not a record")
+    assert [e["id"] for e in routes.list_entries(store)["entries"]] == [good]
+    assert routes.store_stats(store)["entries"] == 1
+    assert any(bad in problem and "does not parse" in problem for problem in store.drain_problems())
+
+
 def test_add_routes_is_idempotent():
     web = pytest.importorskip("aiohttp.web")
     table = web.RouteTableDef()

@@ -27,3 +27,12 @@ def test_workers_smoke(tmp_path):
     assert workers.main(["--workers", "2", "--users", "1", "--session", "2", "--steps", "6", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert results["shared"]["requests"] == results["per_worker"]["requests"] == 2
+
+
+def test_store_scale_reads_rows_against_the_goals():
+    import store_scale
+    row = {"backend": "disk", "entries": 100_000, "lookup_ms_median": 120.0, "put_ms_median": 12.0, "open_s": 1.5,
+           "rebuild_s": 9.0, "open_rss_mb": 150.0, "rebuild_rss_mb": 250.0}
+    verdicts = {v["field"]: v["met"] for v in store_scale.against_goals([row, {**row, "entries": 20}])}
+    assert verdicts == {"lookup_ms_median": False, "put_ms_median": True, "open_s": True, "rebuild_s": True,
+                        "open_rss_mb": True, "rebuild_rss_mb": False}

@@ -6,9 +6,12 @@ change log so every process sharing the store can keep its in-memory index curre
 - `remove(id)`: the metadata's removal is committed before any part is deleted, so a crash in between leaves an
   orphan (reclaimed at the next open), never a visible entry with a missing part;
 - `update(id, change)`: an atomic read-modify-write of one entry's metadata; False when the entry is gone;
-- `meta(id)`, `part(id, kind)`: bytes or None; `metas()`: every (id, bytes or None) pair;
+- `meta(id)`, `part(id, kind)`: bytes or None; `parts(ids, kind)`: a list of those, read in one go where the
+  medium allows; `metas()`: every (id, bytes or None) pair, streamed;
 - `changes(cursor)`: (new cursor, [(op, id)]) since `cursor`, or (cursor, None) when the log no longer reaches back
   that far (the caller rebuilds); `cursor()` the current position;
+- `load_snapshot()` (bytes or None), `save_snapshot(data)`: the index snapshot (index_snapshot.py), one value
+  replaced whole; `identity`: a token made when the store was created, which a snapshot names;
 - `clear()`, `overhead_bytes()` (what the store takes beyond its entries' bytes), `reclaim_orphans()` ->
   (count, bytes), `close()`; `location`: where it lives, safe to show (no password).
 Every failure of the medium is raised as StoreError naming the location and what to do.

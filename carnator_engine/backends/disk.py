@@ -5,11 +5,13 @@ Blobs are not diskcache values: diskcache deletes a value's file before the encl
 crash during a delete tore an entry that was still committed. Here a blob is written to a temporary file, fsynced
 and renamed into place before the transaction that makes its metadata visible; a delete commits the metadata's
 removal first and unlinks the file after. A crash in between leaves an orphan file, reclaimed at the next open.
-Keys are text: "m:<id>" metadata, "s:<id>" signature, "t:<id>" thumbnail, "l:<n>" change log, "seq" its head.
+Keys are text: "m:<id>" metadata, "s:<id>" signature, "t:<id>" thumbnail, "l:<n>" change log, "seq" its head,
+"store" the store's identity. The index snapshot is the file index.snapshot, written like a blob.
 """
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import sqlite3
 import time
@@ -22,6 +24,8 @@ from ..store import StoreError
 LOG_KEEP = 100_000          # change-log records kept; a reader further behind rebuilds its index
 ORPHAN_GRACE_SECONDS = 600  # a blob without metadata younger than this may be another process's write in flight
 DB_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
+SNAPSHOT_FILE = "index.snapshot"
+SCAN_BATCH = 1000           # metadata rows held at once while listing (a rebuild's memory stays small)
 
 
 def _advice(error: BaseException) -> str:
@@ -68,6 +72,8 @@ class DiskBackend:
             # size limit small (its default grows to 4 MB and stays).
             sqlite_wal_autocheckpoint=256, sqlite_journal_size_limit=1 << 20))
         self._guard("open", lambda: self._cache.get("seq"))  # a damaged database fails here, not mid-request
+        self._guard("open", lambda: self._cache.add("store", uuid.uuid4().hex))
+        self.identity = self._guard("open", lambda: self._cache.get("store"))
 
     def _guard(self, action: str, work):
         try:
@@ -89,16 +95,17 @@ class DiskBackend:
         self._cache.set(f"l:{seq}", f"{op} {entry_id}")
         self._cache.delete(f"l:{seq - LOG_KEEP}")
 
-    def _write_blob(self, entry_id: str, blob: bytes) -> None:
-        final = self._blob_path(entry_id)
+    @staticmethod
+    def _write_file(final: str, data: bytes) -> None:
+        """Whole or not at all: a temporary file, fsynced, renamed into place, its directory fsynced."""
         temporary = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with open(temporary, "wb") as handle:
-                handle.write(blob)
+                handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temporary, final)
-            descriptor = os.open(self.blob_dir, os.O_RDONLY)
+            descriptor = os.open(os.path.dirname(final), os.O_RDONLY)
             try:
                 os.fsync(descriptor)
             finally:
@@ -110,6 +117,9 @@ class DiskBackend:
                 except OSError:
                     pass
             raise
+
+    def _write_blob(self, entry_id: str, blob: bytes) -> None:
+        self._write_file(self._blob_path(entry_id), blob)
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
         def work():
@@ -156,7 +166,7 @@ class DiskBackend:
 
     def clear(self) -> None:
         def work():
-            ids = [entry_id for entry_id, _ in self.metas()]
+            ids = self._meta_ids()
             with self._cache.transact():
                 for entry_id in ids:
                     for kind in "mst":
@@ -172,8 +182,16 @@ class DiskBackend:
         return self._guard("read an entry", lambda: self._cache.get(f"m:{entry_id}"))
 
     def part(self, entry_id: str, kind: str):
+        return self.parts([entry_id], kind)[0]
+
+    def parts(self, entry_ids: list, kind: str) -> list:
+        """One part of each of several entries (bytes or None each). Key by key: on a store of 100k entries one
+        SQL query for a lookup's 32 signatures measured no faster than 32 reads through diskcache (~2 ms warm)."""
         if kind != "blob":
-            return self._guard("read an entry", lambda: self._cache.get(f"{kind[0]}:{entry_id}"))
+            return self._guard("read an entry", lambda: [self._cache.get(f"{kind[0]}:{e}") for e in entry_ids])
+        return [self._blob(entry_id) for entry_id in entry_ids]
+
+    def _blob(self, entry_id: str):
         try:
             with open(self._blob_path(entry_id), "rb") as handle:
                 return handle.read()
@@ -183,37 +201,59 @@ class DiskBackend:
             raise StoreError(f"Carnator cache {self.location!r} could not read a blob ({error}): "
                              f"{_advice(error)}") from error
 
+    def _scan(self, columns: str):
+        """diskcache's rows of the metadata keys, SCAN_BATCH at a time, through a read-only connection of its own:
+        one SQL scan where the table's layout is the one this was written for (diskcache 5: raw text keys, raw
+        bytes values inline). A per-key read costs ~0.1 ms: 10 s at 100k entries, against ~1 s for the scan.
+        sqlite3.Error at the first batch where the layout is another."""
+        connection = sqlite3.connect(f"file:{os.path.join(self.location, 'cache.db')}?mode=ro", uri=True,
+                                     timeout=30)
+        try:
+            rows = connection.execute(f"SELECT {columns} FROM Cache WHERE raw = 1 AND key >= 'm:' AND key < 'm;'")
+            while True:
+                batch = rows.fetchmany(SCAN_BATCH)
+                if not batch:
+                    return
+                yield batch
+        finally:
+            connection.close()
+
+    def _guarded(self, action: str, items):
+        """`items`, each step of it under _guard (a generator's failures surface while it is consumed)."""
+        while True:
+            batch = self._guard(action, lambda: next(items, None))
+            if batch is None:
+                return
+            yield from batch
+
+    def _meta_keys_one_by_one(self):
+        for key in self._cache.iterkeys():
+            if isinstance(key, str) and key.startswith("m:"):
+                yield key
+
     def metas(self):
-        """Every (id, metadata bytes or None). One SQL scan of diskcache's table where its layout is the one this
-        was written for (diskcache 5: raw text keys, raw bytes values inline); key by key through diskcache's API
-        otherwise. A per-key read costs ~0.1 ms: 10 s at 100k entries, against ~1 s for the scan."""
-        def scan():
-            connection = sqlite3.connect(f"file:{os.path.join(self.location, 'cache.db')}?mode=ro", uri=True,
-                                         timeout=30)
+        """Every (id, metadata bytes or None), streamed."""
+        def batches():
+            scan = self._scan("key, mode, filename, value")
             try:
-                rows = connection.execute("SELECT key, mode, filename, value FROM Cache "
-                                          "WHERE raw = 1 AND key >= 'm:' AND key < 'm;'").fetchall()
-            finally:
-                connection.close()
-            return [(key[2:], value if mode == diskcache.core.MODE_RAW and filename is None else
-                     self._cache.get(key)) for key, mode, filename, value in rows]
-
-        def one_by_one():
-            found = []
-            for key in self._cache.iterkeys():
-                if isinstance(key, str) and key.startswith("m:"):
-                    try:
-                        found.append((key[2:], self._cache.get(key)))
-                    except Exception:  # noqa: BLE001 - one unreadable value must not hide the others
-                        found.append((key[2:], None))
-            return found
-
-        def work():
-            try:
-                return scan()
+                first = next(scan, [])
             except sqlite3.Error:
-                return one_by_one()
-        return self._guard("list its entries", work)
+                for key in self._meta_keys_one_by_one():
+                    try:
+                        yield [(key[2:], self._cache.get(key))]
+                    except Exception:  # noqa: BLE001 - one unreadable value must not hide the others
+                        yield [(key[2:], None)]
+                return
+            for batch in itertools.chain([first], scan):
+                yield [(key[2:], value if mode == diskcache.core.MODE_RAW and filename is None else
+                        self._cache.get(key)) for key, mode, filename, value in batch]
+        return self._guarded("list its entries", batches())
+
+    def _meta_ids(self) -> set:
+        try:
+            return {key[2:] for batch in self._scan("key") for (key,) in batch}
+        except sqlite3.Error:
+            return {key[2:] for key in self._meta_keys_one_by_one()}
 
     def cursor(self) -> int:
         return int(self._guard("read its change log", lambda: self._cache.get("seq", 0)))
@@ -238,9 +278,10 @@ class DiskBackend:
     # ---- space -----------------------------------------------------------------------------------
 
     def overhead_bytes(self) -> int:
-        """SQLite's own files (metadata, signatures, thumbnails, log and free pages): the limit counts them."""
+        """SQLite's own files (metadata, signatures, thumbnails, log and free pages) and the index snapshot: the
+        limit counts them."""
         total = 0
-        for name in DB_FILES:
+        for name in DB_FILES + (SNAPSHOT_FILE,):
             try:
                 total += os.path.getsize(os.path.join(self.location, name))
             except OSError:
@@ -259,21 +300,43 @@ class DiskBackend:
 
     def reclaim_orphans(self) -> tuple:
         """Blob files no metadata refers to (a crash between a blob's write and its commit, or between a delete's
-        commit and its unlink), and temporary files of interrupted writes, older than the grace period."""
+        commit and its unlink), and temporary files of interrupted writes, older than the grace period. Which
+        ids have metadata is one scan of the keys (0.15 s at 100k entries), not a read per blob (2.5 s at every
+        open, page cache warm); a blob that looks orphaned is checked by its own key once more, since another
+        process may have committed its entry after the scan."""
+        live = self._guard("list its entries", self._meta_ids)
+        snapshot_temporaries = [item for item in os.scandir(self.location)
+                                if item.name.startswith(SNAPSHOT_FILE + ".") and item.name.endswith(".tmp")]
         count = freed = 0
         cutoff = time.time() - ORPHAN_GRACE_SECONDS
-        for name in os.listdir(self.blob_dir):
-            path = os.path.join(self.blob_dir, name)
-            entry_id = name.split(".", 1)[0]
+        for item in itertools.chain(os.scandir(self.blob_dir), snapshot_temporaries):
+            entry_id, blob = item.name.split(".", 1)[0], item.name.endswith(".blob")
+            if blob and entry_id in live:
+                continue
             try:
-                stat = os.stat(path)
-                if stat.st_mtime > cutoff or (name.endswith(".blob") and self.meta(entry_id) is not None):
+                stat = item.stat()
+                if stat.st_mtime > cutoff or (blob and self.meta(entry_id) is not None):
                     continue
-                os.remove(path)
+                os.remove(item.path)
             except (OSError, StoreError):
                 continue
             count, freed = count + 1, freed + stat.st_size
         return count, freed
+
+    # ---- the index snapshot ----------------------------------------------------------------------
+
+    def load_snapshot(self):
+        def work():
+            try:
+                with open(os.path.join(self.location, SNAPSHOT_FILE), "rb") as handle:
+                    return handle.read()
+            except FileNotFoundError:
+                return None
+        return self._guard("read its index snapshot", work)
+
+    def save_snapshot(self, data: bytes) -> None:
+        self._guard("write its index snapshot",
+                    lambda: self._write_file(os.path.join(self.location, SNAPSHOT_FILE), data))
 
     def close(self) -> None:
         self._cache.close()

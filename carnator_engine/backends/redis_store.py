@@ -1,7 +1,8 @@
 """The shared backend: one Redis server holds every part of every entry, for many ComfyUI workers.
 
 Keys (prefix `carnator:`): `m:<id>` metadata, `s:<id>` signature, `b:<id>` trajectory blob, `t:<id>` thumbnail, the
-set `ids` and the stream `log` (the change log every worker's in-memory index follows). An entry is written,
+set `ids`, the stream `log` (the change log every worker's in-memory index follows), `store` the store's identity
+and `snapshot` the index snapshot every worker opens from. An entry is written,
 updated and removed in one MULTI/EXEC transaction, so no client ever sees part of one, whatever happens to the
 writer; with `appendonly yes` a committed entry survives a restart of the server. Blobs live in Redis too,
 not in a shared directory: benchmarks/store_scale.py measured both for a Wan-1.3B-sized entry (RESULTS.md,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import urllib.parse
+import uuid
 
 from ..store import StoreError
 
@@ -61,6 +63,8 @@ class RedisBackend:
             raise StoreError(self._scrub(f"Carnator cache URL {self.location!r} is not valid ({error}): write it "
                                          "as redis://[:password@]host:port/db or rediss:// for TLS")) from None
         self._guard("connect", self._client.ping)
+        self._guard("connect", lambda: self._client.set(PREFIX + "store", uuid.uuid4().hex, nx=True))
+        self.identity = self._guard("connect", lambda: self._client.get(PREFIX + "store")).decode()
 
     # ---- errors ----------------------------------------------------------------------------------
 
@@ -166,15 +170,20 @@ class RedisBackend:
     def part(self, entry_id: str, kind: str):
         return self._guard("read an entry", lambda: self._client.get(self._key(kind, entry_id)))
 
+    def parts(self, entry_ids: list, kind: str) -> list:
+        """One part of each of several entries (bytes or None each), in one round trip."""
+        if not entry_ids:
+            return []
+        return self._guard("read entries", lambda: self._client.mget([self._key(kind, e) for e in entry_ids]))
+
     def metas(self):
-        def work():
-            ids = sorted(i.decode() for i in self._client.smembers(PREFIX + "ids"))
-            found = []
-            for start in range(0, len(ids), BATCH):
-                chunk = ids[start:start + BATCH]
-                found.extend(zip(chunk, self._client.mget([self._key("meta", e) for e in chunk])))
-            return found
-        return self._guard("list its entries", work)
+        """Every (id, metadata bytes or None), streamed BATCH at a time."""
+        ids = sorted(i.decode() for i in self._guard("list its entries",
+                                                    lambda: self._client.smembers(PREFIX + "ids")))
+        for start in range(0, len(ids), BATCH):
+            chunk = ids[start:start + BATCH]
+            yield from zip(chunk, self._guard("list its entries",
+                                              lambda: self._client.mget([self._key("meta", e) for e in chunk])))
 
     def cursor(self) -> str:
         def work():
@@ -200,6 +209,14 @@ class RedisBackend:
             changes = [(fields[b"op"].decode(), fields[b"id"].decode()) for _, fields in new]
             return new[-1][0].decode(), changes
         return self._guard("read its change log", work)
+
+    # ---- the index snapshot ----------------------------------------------------------------------
+
+    def load_snapshot(self):
+        return self._guard("read its index snapshot", lambda: self._client.get(PREFIX + "snapshot"))
+
+    def save_snapshot(self, data: bytes) -> None:
+        self._guard("write its index snapshot", lambda: self._client.set(PREFIX + "snapshot", data))
 
     # ---- space -----------------------------------------------------------------------------------
 

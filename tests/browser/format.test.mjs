@@ -61,6 +61,10 @@ test("decision badge and lines", () => {
     expected_speedup: 1, reasons: ["no earlier generation"] };
   assert.equal(decisionBadge(miss).text, "MISS · 30 steps");
   assert.equal(decisionLines(miss)[0], "MISS: full run of 30 steps · risk safe");
+  // a store fault that made the request a full generation shows on the node, before the gate's reasons
+  const faulted = { ...miss, warnings: ["reading entry 0123456789abcdef failed: this request is generated in full"] };
+  assert.deepEqual(decisionLines(faulted).slice(-2),
+    ["warning: reading entry 0123456789abcdef failed: this request is generated in full", "• no earlier generation"]);
   const repeat = { node: "7", reuse: true, exact_repeat: true, risk: "balanced", resume_step: 30, probe_steps: 0,
     steps: 30, model_calls: 0, expected_speedup: null, entry_id: "0123456789abcdef", reasons: ["exact repeat"] };
   assert.equal(decisionBadge(repeat).text, "REPEAT · 0 model calls");

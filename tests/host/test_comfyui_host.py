@@ -38,12 +38,18 @@ def open_cache(comfy, directory, size_gb=1.0):
     return node(comfy, "CarnatorCache")(str(directory), size_gb)[0]
 
 
-def sample(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
-           risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
-           attention_density=1.0, **experts):
-    out = node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
-                                         "simple", probe_steps, risk, sparse_attention, attention_density,
-                                         unique_id=unique_id, prompt=prompt, **experts)
+def sampler_output(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
+                   risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
+                   attention_density=1.0, **experts):
+    """The Carnator Sampler node's whole output: (latent, decision JSON) and the text it shows on itself."""
+    return node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
+                                          "simple", probe_steps, risk, sparse_attention, attention_density,
+                                          unique_id=unique_id, prompt=prompt, **experts)
+
+
+def sample(comfy, *args, **kwargs):
+    """(latent, decision) of a Carnator Sampler run whose shown verdict agrees with its decision."""
+    out = sampler_output(comfy, *args, **kwargs)
     latent_out, summary_json = out.result
     cache.writer.settle()   # the tests read the store directly; the next request and the routes wait by themselves
     summary = json.loads(summary_json)
@@ -173,6 +179,50 @@ def test_sampler_node_miss_then_hit_with_fewer_model_calls(comfy, plugin, counte
     assert relative < 0.05, f"a hit on the nearly identical request drifted by {relative:.3f}"
     print(f"\nmiss: {miss_calls} forward calls; hit: {hit_calls} (resume at step {hit['resume_step']} of {STEPS}); "
           f"relative difference of the hit's latent {relative:.2e}")
+
+
+def test_a_store_fault_on_a_hit_is_a_full_generation_with_a_warning_on_the_node(comfy, plugin, counted, conds,
+                                                                                 latent, tmp_path):
+    """Issue 16: the entry the gate chose has a damaged trajectory blob; the node still returns the request's
+    latent, generated in full, and shows why on itself (the web UI's node text), not only in the log."""
+    from store_damage import set_raw
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    _, miss = sample(comfy, counted.model, cache, positive, negative, latent)
+    set_raw(cache, miss["stored_as"], "blob", b"torn by a disk")
+    counted.take()
+    out = sampler_output(comfy, counted.model, cache, nudged(positive), negative, latent)
+    summary = json.loads(out.result[1])
+    assert not summary["reuse"] and summary["model_calls"] == counted.take() == STEPS
+    assert out.result[0]["samples"].shape == latent["samples"].shape
+    shown = hostsetup.shown_text(out)
+    assert shown.startswith("Carnator MISS") and f"warning: cache entry {miss['stored_as']} is corrupt" in shown
+    assert "generated in full" in shown
+
+
+def test_cache_node_on_a_password_redis_shows_the_password_nowhere(comfy, plugin, counted, conds, latent, tmp_path):
+    """Issue 16: the Carnator Cache node takes a redis:// URL; its password reaches neither the node's outputs and
+    text nor its errors, and a wrong one is an error on cache_dir that says what to do."""
+    from redis_server import RedisServer, require_redis_server
+    require_redis_server()
+    secret = "node-Secret-pw"
+    server = RedisServer(str(tmp_path / "redis"), password=secret).start()
+    try:
+        url = f"redis://:{secret}@127.0.0.1:{server.port}/0"
+        cache = open_cache(comfy, url)
+        assert cache.location == server.url
+        positive, negative = conds
+        shown = []
+        for request in (positive, nudged(positive)):
+            out = sampler_output(comfy, counted.model, cache, request, negative, latent)
+            shown += [out.result[1], hostsetup.shown_text(out)]
+        assert json.loads(shown[2])["reuse"] and all(secret not in text for text in shown)
+        with pytest.raises(Exception) as caught:
+            open_cache(comfy, f"redis://:wrong-{secret}@127.0.0.1:{server.port}/1")
+        message = str(caught.value)
+        assert "cache_dir" in message and "password was refused" in message and secret not in message
+    finally:
+        server.stop()
 
 
 def test_sampler_node_replays_an_exact_repeat_with_no_model_call(comfy, plugin, counted, conds, latent, tmp_path):
