@@ -42,16 +42,17 @@ def sampler_output(comfy, model, cache, positive, negative, latent, seed=SEED, s
                    risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
                    attention_density=1.0, **experts):
     """The Carnator Sampler node's whole output: (latent, decision JSON) and the text it shows on itself."""
-    return node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
-                                          "simple", probe_steps, risk, sparse_attention, attention_density,
-                                          unique_id=unique_id, prompt=prompt, **experts)
+    out = node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
+                                         "simple", probe_steps, risk, sparse_attention, attention_density,
+                                         unique_id=unique_id, prompt=prompt, **experts)
+    cache.writer.settle()   # the tests read the store directly; the next request and the routes wait by themselves
+    return out
 
 
 def sample(comfy, *args, **kwargs):
     """(latent, decision) of a Carnator Sampler run whose shown verdict agrees with its decision."""
     out = sampler_output(comfy, *args, **kwargs)
     latent_out, summary_json = out.result
-    cache.writer.settle()   # the tests read the store directly; the next request and the routes wait by themselves
     summary = json.loads(summary_json)
     verdict = "REPEAT" if summary["exact_repeat"] else "HIT" if summary["reuse"] else "MISS"
     assert hostsetup.shown_text(out).startswith("Carnator " + verdict)
