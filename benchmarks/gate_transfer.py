@@ -17,7 +17,6 @@ show (`chance`) and the share of it). Euler / simple / cfg 1, N = 20, probe 2, a
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 
 import gpu_backbones as gb  # noqa: E402
 import gpu_speed as gs  # noqa: E402
+import reports  # noqa: E402
 
 WAN_1_3B = dict(kind="wan", experts=1, dim=1536, layers=30, ffn=8960, latent=(1, 16, 21, 60, 104), text_len=512)
 BACKBONES = {"wan2.1-1.3b": WAN_1_3B, **gb.BACKBONES}
@@ -125,17 +125,11 @@ def run(args):
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "dtype": str(dtype), "steps": args.steps,
            "probe": args.probe, "gate_overrides": {}, "smoke": args.smoke, "results": {}}
-
-    def log(message):
-        print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
-
-    gb.measure_each(args, specs, measure, device, dtype, log, out)
+    gb.measure_each(args, specs, measure, device, dtype, gs.elapsed_logger(started), out)
     answers = [a for r in out["results"].values() for a in r.get("requests", [])]
     out.update(answered=len(answers), as_expected=sum(a["reuse"] == a["expected_reuse"] for a in answers),
                total_seconds=time.perf_counter() - started)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(out, handle, indent=2, default=str)
+    reports.write(args.out, out)
     print_table(out)
     return out
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
@@ -46,6 +45,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import gpu_speed as gs  # noqa: E402
+import reports  # noqa: E402
 
 TEXT_DIM = 4096
 BACKBONES = {
@@ -389,15 +389,10 @@ def run(args):
            "torch": torch.__version__, "comfyui_version": version, "dtype": str(dtype), "steps": n, "probe": p,
            "resume": k, "max_density": args.max_density, "gate_overrides": {}, "smoke": args.smoke, "results": {}}
 
-    def log(message):
-        print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
-
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as handle:
-            json.dump(out, handle, indent=2, default=str)
+        reports.write(args.out, out)
 
-    measure_each(args, specs, measure, device, dtype, log, out, save)
+    measure_each(args, specs, measure, device, dtype, gs.elapsed_logger(started), out, save)
     out["total_seconds"] = time.perf_counter() - started
     save()
     print_table(out)

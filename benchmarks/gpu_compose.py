@@ -22,7 +22,6 @@ the plain miss within 1 % of plain.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -36,8 +35,9 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from gpu_speed import (PRESETS, PROMPT, TEXT_DIM, build_model, carnator_hit, find_comfyui,  # noqa: E402
-                       import_comfy, plain_sample, rel_diff, timed)
+import reports  # noqa: E402
+from gpu_speed import (PRESETS, PROMPT, TEXT_DIM, build_model, carnator_hit, elapsed_logger,  # noqa: E402
+                       find_comfyui, import_comfy, plain_sample, rel_diff, timed)
 
 
 def parse_args(argv=None):
@@ -108,12 +108,9 @@ def run(args):
     cases = out["cases"]
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as handle:
-            json.dump(out, handle, indent=2, default=str)
+        reports.write(args.out, out)
 
-    def log(message):
-        print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
+    log = elapsed_logger(started)
 
     def plain(m, cfg, label):
         m, calls = counted(m)

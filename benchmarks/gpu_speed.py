@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import platform
@@ -46,11 +45,14 @@ import time
 import traceback
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# the engine, and benchmarks/reports when the tests import this module
+sys.path[:0] = [folder for folder in (ROOT, HERE) if folder not in sys.path]
 
 import torch  # noqa: E402
+
+import reports  # noqa: E402  (the JSON summary every benchmark writes)
 
 PRESETS = {
     "real": dict(dim=1536, layers=30, ffn=8960, latent=(1, 16, 21, 60, 104), text_len=512, steps=50, probe=5,
@@ -219,6 +221,13 @@ class StepTimer:
 
     def step_seconds(self, first_step=1):
         return [d for _, d in self.durations(first_step)]
+
+
+def elapsed_logger(started):
+    """log(message): the message printed at once, after the seconds since `started`."""
+    def log(message):
+        print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
+    return log
 
 
 def median(values):
@@ -403,12 +412,9 @@ def run(args):
     res = out["results"]
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as handle:
-            json.dump(out, handle, indent=2, default=str)
+        reports.write(args.out, out)
 
-    def log(msg):
-        print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
+    log = elapsed_logger(started)
 
     log(f"ComfyUI {version} from {comfy_path}; torch {torch.__version__}; device {out['device']}")
     t = time.perf_counter()
