@@ -2,17 +2,22 @@
 """Carnator with ComfyUI's EasyCache, side by side, at Wan2.1-T2V-1.3B size (the gpu_speed.py setup: ComfyUI's
 WanModel with random weights, 480p x 81 frames, bf16, euler/simple, N=50, p=5, k=25, the 0.3 density budget).
 
-Cases, each one run, CUDA synchronised, model calls counted at the diffusion model (a DIFFUSION_MODEL wrapper
-after EasyCache's, so it counts forwards that ran):
+Cases, CUDA synchronised, model calls counted at the diffusion model (a DIFFUSION_MODEL wrapper after
+EasyCache's, so it counts forwards that ran); at cfg 1 plain, miss and hit are the median of --repeats runs, plain
+and miss interleaved:
   plain                 ComfyUI sampling, no Carnator (the baseline of every speedup and difference)
   easycache             ComfyUI's EasyCache node alone, at the threshold of --easycache-thresholds whose calls
                         come nearest N/2 (about 2x); every threshold tried is reported
-  miss                  Carnator on an empty store (probe + rest + write-back): its cost over plain
+  miss                  Carnator on an empty store (probe + rest; the entry is written in the background after
+                        the request returns, waited for outside the timed span and reported as write_after_s)
   hit                   the same request a hair off, resumed at k with the entry's sparse attention
   miss+easycache        Carnator on an empty store with EasyCache on the model: should equal easycache
   hit+easycache         its hit: steps k..N under EasyCache
   cfg5 plain / easycache / miss / hit   the same with cfg 5 (cond + uncond)
-Relative L2 differences are against plain (and, for miss+easycache, against easycache alone).
+Relative L2 differences are against plain (and, for miss+easycache, against easycache alone). The gate runs with
+its defaults (no overrides); a hit it accepts at another checkpoint than k is forced to k (gpu_speed.carnator_hit).
+Warm-ups first, out of every timed span: 2 dense steps, then a short Carnator miss and 2 sparse steps with its
+connectivity at this shape (the block-sparse kernel's compile).
 Goals (issue 15): hit+easycache >= 3.5x plain and >= 1.6x easycache; miss+easycache within 2 % of easycache;
 the plain miss within 1 % of plain.
 
@@ -37,7 +42,7 @@ import torch  # noqa: E402
 
 import reports  # noqa: E402
 from gpu_speed import (PRESETS, PROMPT, TEXT_DIM, build_model, carnator_hit, elapsed_logger,  # noqa: E402
-                       find_comfyui, import_comfy, plain_sample, rel_diff, timed)
+                       find_comfyui, import_comfy, median, plain_sample, rel_diff, timed)
 
 
 def parse_args(argv=None):
@@ -46,7 +51,7 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny CPU-friendly size (gpu_speed's smoke preset)")
     parser.add_argument("--comfyui", default=None)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--easycache-thresholds", default="0.05,0.1,0.2",
+    parser.add_argument("--easycache-thresholds", default="0.2,0.3,0.4",
                         help="EasyCache reuse_threshold values tried; the one nearest 2x is used")
     parser.add_argument("--easycache-start", type=float, default=0.15)
     parser.add_argument("--easycache-end", type=float, default=0.95)
@@ -54,6 +59,7 @@ def parse_args(argv=None):
     parser.add_argument("--store-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-cfg5", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of plain, miss and hit at cfg 1 (median)")
     return parser.parse_args(argv)
 
 
@@ -85,7 +91,9 @@ def run(args):
     dtype = torch.bfloat16 if cuda else torch.float32
     comfy_path = find_comfyui(args.comfyui)
     version = import_comfy(comfy_path, cpu=not cuda)
+    from carnator_engine.connectivity import plan_from_tensors
     from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.observer import GenerationObserver
     from carnator_engine.pipeline import CarnatorConfig, generate
     from carnator_engine.store import CarnatorStore
 
@@ -96,21 +104,36 @@ def run(args):
     noise = torch.randn(latent_shape, generator=gen)
     context = torch.randn(1, preset["text_len"], TEXT_DIM, generator=gen)
     positive, negative = [[context, {}]], [[torch.zeros_like(context), {}]]
-    overrides = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, cell_threshold=10.0,
-                     max_target_fraction=1.0, max_resume_fraction=min(1.0, (k + 1.5) / n), min_saved_steps=1)
-    config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density,
-                            gate_overrides=overrides)
+    config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
-           "config": {"steps": n, "probe": p, "resume": k, "latent": list(latent_shape),
+           "config": {"steps": n, "probe": p, "resume": k, "latent": list(latent_shape), "repeats": args.repeats,
                       "max_density": args.max_density, "easycache_start": args.easycache_start,
-                      "easycache_end": args.easycache_end}, "cases": {}, "easycache_sweep": {}}
+                      "easycache_end": args.easycache_end}, "gate_overrides": {}, "cases": {}, "easycache_sweep": {}}
     cases = out["cases"]
+    latents = {}
+    store_root = tempfile.mkdtemp(prefix="carnator_gpu_compose_", dir=args.store_dir)
+    stores = []
 
     def save():
         reports.write(args.out, out)
 
     log = elapsed_logger(started)
+
+    def new_store(name):
+        stores.append(CarnatorStore(os.path.join(store_root, f"{len(stores)}_{name}"), 16 << 30))
+        return stores[-1]
+
+    def runner_for(m, cfg, steps=n):
+        return ComfyRunner(m, positive, negative, cfg=cfg, sampler_name="euler", scheduler="simple", steps=steps,
+                           seed=args.seed)
+
+    def written(result):
+        """Waits for the entry the request queued, outside the timed span: (seconds it took after the return)."""
+        returned = time.perf_counter()
+        if result.storing is not None:
+            result.storing.wait()
+        return time.perf_counter() - returned
 
     def plain(m, cfg, label):
         m, calls = counted(m)
@@ -120,64 +143,113 @@ def run(args):
         log(f"{label}: {span['seconds']:.2f} s, {calls[0]} model calls")
         return {"seconds": span["seconds"], "model_calls": calls[0]}, latent
 
-    def carnator(m, cfg, store, label):
+    def miss(m, cfg, label):
         m, calls = counted(m)
-        runner = ComfyRunner(m, positive, negative, cfg=cfg, sampler_name="euler", scheduler="simple", steps=n,
-                             seed=args.seed)
+        runner, store = runner_for(m, cfg), new_store(label)
         with timed() as span:
             result = generate(runner, noise, runner.sigmas, store, config, PROMPT, args.seed)
-        miss = {"seconds": span["seconds"], "model_calls": calls[0], "parts_s": result.seconds,
-                "summary_model_calls": result.model_calls, "step_cache": result.step_cache}
-        log(f"{label} miss: {miss['seconds']:.2f} s, {calls[0]} calls {result.seconds}")
-        calls[0] = 0
-        facts, hit, _ = carnator_hit(runner, store, config, noise, runner.sigmas, k, args.seed)
-        hit_case = {"seconds": facts["seconds"], "model_calls": calls[0], "resume_step": facts["resume_step"],
-                    "density": facts["plan_mean_density"], "summary_model_calls": hit.model_calls,
-                    "step_cache_skipped": hit.step_cache_skipped}
-        log(f"{label} hit: {hit_case['seconds']:.2f} s, {calls[0]} calls")
-        return (miss, runner.to_latent_format(result.latent)), (hit_case, runner.to_latent_format(hit.latent))
+        if result.decision.reuse or result.entry_id is None:
+            raise RuntimeError(f"{label}: expected a stored miss, got {result.summary()}")
+        facts = {"seconds": span["seconds"], "model_calls": calls[0], "parts_s": result.seconds,
+                 "write_after_s": written(result), "summary_model_calls": result.model_calls,
+                 "step_cache": result.step_cache}
+        log(f"{label}: {facts['seconds']:.2f} s, {calls[0]} calls, written {facts['write_after_s']:.2f} s after the "
+            f"return {({name: round(v, 3) for name, v in result.seconds.items()})}")
+        return facts, runner, store, calls, runner.to_latent_format(result.latent)
 
-    store_root = tempfile.mkdtemp(prefix="carnator_gpu_compose_", dir=args.store_dir)
+    def hit(runner, store, calls, label):
+        calls[0] = 0
+        facts, result, _ = carnator_hit(runner, store, config, noise, runner.sigmas, k, args.seed)
+        case = {"seconds": facts["seconds"], "model_calls": calls[0], "resume_step": facts["resume_step"],
+                "gate_resume_step": facts["gate_resume_step"], "density": facts["plan_mean_density"],
+                "probe_s": facts["probe_s"], "lookup_gate_s": facts["lookup_gate_s"],
+                "resume_s": facts["resume_and_write_s"], "write_after_s": written(result),
+                "summary_model_calls": result.model_calls, "step_cache_skipped": result.step_cache_skipped}
+        log(f"{label}: {case['seconds']:.2f} s, {calls[0]} calls (probe {case['probe_s']:.2f}, lookup+gate "
+            f"{case['lookup_gate_s'] * 1e3:.1f} ms, resume {case['resume_s']:.2f}), k={case['resume_step']} (gate "
+            f"{case['gate_resume_step']}), density {case['density']:.3f}")
+        return case, runner.to_latent_format(result.latent)
+
+    def median_case(runs):
+        middle = sorted(runs, key=lambda run_: run_["seconds"])[(len(runs) - 1) // 2]
+        return {**middle, "seconds": median([run_["seconds"] for run_ in runs]),
+                "runs_s": [run_["seconds"] for run_ in runs]}
+
     try:
+        sigmas = ComfyRunner.schedule(model, "euler", "simple", n)
         with timed() as span:
-            plain_sample(model, noise, ComfyRunner.schedule(model, "euler", "simple", n)[:3], positive, negative,
-                         args.seed)
-        log(f"warm-up {span['seconds']:.1f} s")
+            plain_sample(model, noise, sigmas[:3], positive, negative, args.seed)
+        log(f"warm-up dense (2 steps) {span['seconds']:.1f} s")
+        with timed() as span:    # the Carnator path and the block-sparse kernel at this shape, out of the timings
+            warm_steps = min(n, 10)
+            warm = runner_for(model, 1.0, warm_steps)
+            warm_config = CarnatorConfig(probe_steps=2, block_size=preset["block_size"], max_density=args.max_density)
+            warm_result = generate(warm, noise, warm.sigmas, new_store("warm-up"), warm_config, PROMPT, args.seed)
+            written(warm_result)
+            connectivity = stores[-1].trajectory(stores[-1].record(warm_result.entry_id)).connectivity
+            tokens = math.prod(warm.layout.token_grid(latent_shape))
+            sparse = plan_from_tensors(connectivity, torch.zeros(tokens, dtype=torch.bool))
+            warm.run(noise * float(warm.sigmas[warm_steps - 2]), warm.sigmas, warm_steps - 2, warm_steps,
+                     GenerationObserver(sparse=sparse))
+        log(f"warm-up Carnator miss ({warm_steps} steps) + 2 sparse steps {span['seconds']:.1f} s")
+        out["warm_up_s"] = span["seconds"]
+
         for cfg, prefix in ((1.0, ""), (5.0, "cfg5 ")):
             if cfg != 1.0 and args.skip_cfg5:
                 continue
-            base, base_latent = plain(model, cfg, prefix + "plain")
-            cases[prefix + "plain"] = base
+            repeats = args.repeats if cfg == 1.0 else 1
+            plains, misses = [], []
+            for i in range(repeats):      # interleaved: a drift of the machine falls on both alike
+                facts, latents[prefix + "plain"] = plain(model, cfg, f"{prefix}plain #{i + 1}")
+                plains.append(facts)
+                facts, runner, store, calls, latents[prefix + "miss"] = miss(model, cfg, f"{prefix}miss #{i + 1}")
+                misses.append(facts)
+            base_latent = latents[prefix + "plain"]
+            cases[prefix + "plain"] = median_case(plains)
+            cases[prefix + "miss"] = {**median_case(misses), "rel_l2_vs_plain": rel_diff(latents[prefix + "miss"],
+                                                                                         base_latent)}
+            hits = []
+            for i in range(repeats):
+                facts, latents[prefix + "hit"] = hit(runner, store, calls, f"{prefix}hit #{i + 1}")
+                hits.append(facts)
+            cases[prefix + "hit"] = {**median_case(hits), "rel_l2_vs_plain": rel_diff(latents[prefix + "hit"],
+                                                                                       base_latent)}
+            save()
             if cfg == 1.0:   # the threshold: the one nearest 2x at cfg 1, kept for cfg 5
                 for threshold in (float(t) for t in args.easycache_thresholds.split(",")):
-                    out["easycache_sweep"][str(threshold)] = plain(with_easycache(model, threshold, args), cfg,
-                                                                   f"easycache {threshold}")[0]
+                    facts, latents[f"easycache {threshold}"] = plain(with_easycache(model, threshold, args), cfg,
+                                                                     f"easycache {threshold}")
+                    out["easycache_sweep"][str(threshold)] = facts
                 chosen = min(out["easycache_sweep"], key=lambda t: abs(out["easycache_sweep"][t]["model_calls"] - n / 2))
                 out["easycache_threshold"] = float(chosen)
-            easy_model = with_easycache(model, out["easycache_threshold"], args)
-            easy, easy_latent = plain(easy_model, cfg, prefix + "easycache")
+                easy, easy_latent = out["easycache_sweep"][chosen], latents[f"easycache {float(chosen)}"]
+            else:
+                easy, easy_latent = plain(with_easycache(model, out["easycache_threshold"], args), cfg,
+                                          f"{prefix}easycache")
             cases[prefix + "easycache"] = {**easy, "rel_l2_vs_plain": rel_diff(easy_latent, base_latent)}
-            for label, m, reference in ((prefix + "", model, None), (prefix + "easycache ", easy_model, easy_latent)):
-                if cfg != 1.0 and m is easy_model:
-                    continue       # cfg 5: plain, EasyCache and the hit (the issue's list)
-                store = CarnatorStore(os.path.join(store_root, f"{cfg}{label.strip()}"), 16 << 30)
-                (miss, miss_latent), (hit, hit_latent) = carnator(m, cfg, store, label + "carnator")
-                name = label.replace("easycache ", "").strip()
-                cases[f"{name} miss{'+easycache' if m is easy_model else ''}".strip()] = {
-                    **miss, "rel_l2_vs_plain": rel_diff(miss_latent, base_latent),
-                    **({"rel_l2_vs_easycache": rel_diff(miss_latent, reference)} if reference is not None else {})}
-                cases[f"{name} hit{'+easycache' if m is easy_model else ''}".strip()] = {
-                    **hit, "rel_l2_vs_plain": rel_diff(hit_latent, base_latent)}
-                store.close()
+            save()
+            if cfg != 1.0:
+                continue       # cfg 5: plain, EasyCache and the hit (the issue's list)
+            easy_model = with_easycache(model, out["easycache_threshold"], args)
+            facts, runner, store, calls, miss_latent = miss(easy_model, cfg, "miss+easycache")
+            cases["miss+easycache"] = {**facts, "rel_l2_vs_plain": rel_diff(miss_latent, base_latent),
+                                       "rel_l2_vs_easycache": rel_diff(miss_latent, easy_latent)}
+            facts, hit_latent = hit(runner, store, calls, "hit+easycache")
+            cases["hit+easycache"] = {**facts, "rel_l2_vs_plain": rel_diff(hit_latent, base_latent)}
             save()
     finally:
+        for store in stores:
+            store.close()
         shutil.rmtree(store_root, ignore_errors=True)
     for name, case in cases.items():
         base = cases["cfg5 plain" if name.startswith("cfg5") else "plain"]
         case["speedup_vs_plain"] = base["seconds"] / case["seconds"]
-        if "easycache" in cases:
-            easy = cases["cfg5 easycache" if name.startswith("cfg5") and "cfg5 easycache" in cases else "easycache"]
+        easy = cases.get("cfg5 easycache" if name.startswith("cfg5") else "easycache")
+        if easy is not None:
             case["speedup_vs_easycache"] = easy["seconds"] / case["seconds"]
+    out["miss_extra_pct_vs_plain"] = 100 * (cases["miss"]["seconds"] / cases["plain"]["seconds"] - 1)
+    out["miss_easycache_extra_pct_vs_easycache"] = 100 * (cases["miss+easycache"]["seconds"]
+                                                          / cases["easycache"]["seconds"] - 1)
     out["total_seconds"] = time.perf_counter() - started
     save()
     print_table(out)
@@ -198,9 +270,10 @@ def print_table(out):
         print(f"| {name:22} | {case['seconds']:8.2f} | {case['model_calls']:>5} | {case['speedup_vs_plain']:>7.2f}x | "
               f"{case.get('speedup_vs_easycache', math.nan):>11.2f}x | "
               f"{'' if rel is None else f'{rel:.2e}':>15} |")
-    miss = out["cases"].get("miss+easycache")
-    if miss:
-        print(f"miss+easycache vs easycache alone: rel L2 {miss['rel_l2_vs_easycache']:.2e}")
+    miss = out["cases"]["miss+easycache"]
+    print(f"miss+easycache vs easycache alone: rel L2 {miss['rel_l2_vs_easycache']:.2e}, "
+          f"{out['miss_easycache_extra_pct_vs_easycache']:+.2f} % time; plain miss {out['miss_extra_pct_vs_plain']:+.2f} "
+          f"% vs plain (medians of {out['config']['repeats']})")
     print(f"total {out['total_seconds']:.1f} s")
 
 

@@ -27,4 +27,7 @@ def test_gpu_compose_smoke(tmp_path):
     assert cases["miss+easycache"]["model_calls"] == cases["easycache"]["model_calls"] < cases["plain"]["model_calls"]
     assert cases["miss"]["rel_l2_vs_plain"] < 1e-4
     assert cases["hit"]["model_calls"] < cases["plain"]["model_calls"]
+    assert report["gate_overrides"] == {} and cases["hit"]["resume_step"] == report["config"]["resume"]
+    assert len(cases["miss"]["runs_s"]) == len(cases["plain"]["runs_s"]) == 2
+    assert cases["miss"]["write_after_s"] >= 0 and "write_back" in cases["miss"]["parts_s"]
     assert "| hit+easycache" in completed.stdout
