@@ -165,6 +165,7 @@ def run(args):
                 "probe_s": facts["probe_s"], "lookup_gate_s": facts["lookup_gate_s"],
                 "resume_s": facts["resume_and_write_s"], "write_after_s": written(result),
                 "summary_model_calls": result.model_calls, "step_cache_skipped": result.step_cache_skipped}
+        store.delete(result.entry_id)   # a repeat resumes from the miss's entry, not from this hit's (no step k)
         log(f"{label}: {case['seconds']:.2f} s, {calls[0]} calls (probe {case['probe_s']:.2f}, lookup+gate "
             f"{case['lookup_gate_s'] * 1e3:.1f} ms, resume {case['resume_s']:.2f}), k={case['resume_step']} (gate "
             f"{case['gate_resume_step']}), density {case['density']:.3f}")
