@@ -33,6 +33,7 @@ from .preview import thumbnail_png
 from .resume import resume_latent
 from .signature import EarlySignature, SignatureRecorder
 from .store import CarnatorStore, StoreError, TrajectoryPayload, new_entry_id
+from .vectors import warm_denoised_projection
 from .write_back import PendingWrite
 
 log = logging.getLogger("carnator")
@@ -178,6 +179,7 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
             return ProbeResult(None, None, None, sigmas, config.probe_steps, *identity,
                                time.perf_counter() - started, repeat=repeat)
     recorder = SignatureRecorder(config.probe_steps, config.block_size)
+    warm_denoised_projection(recorder.denoised_size(noise.shape))   # for the lookup, drawn while the probe runs
     observer = GenerationObserver(signature=recorder)
     x = noise * float(sigmas[0])
     latent = runner.run(x, sigmas, 0, config.probe_steps, observer)

@@ -11,6 +11,7 @@ Three views, each cheap to record and compare:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,9 +77,16 @@ class SignatureRecorder:
             coarse = F.adaptive_avg_pool2d(pooled[None, None], size)[0, 0]
             self.attention[block_index] = coarse / coarse.sum(-1, keepdim=True)
 
+    def denoised_size(self, latent_shape) -> int:
+        """How many numbers the signature's coarse x0-hat of a [B, C, T, H, W] latent holds."""
+        return latent_shape[-4] * math.prod(self._denoised_grid(latent_shape))
+
+    def _denoised_grid(self, latent_shape) -> tuple:
+        return tuple(min(g, s) for g, s in zip(self.grid, latent_shape[-3:]))
+
     def denoised(self, step: int, denoised: torch.Tensor) -> None:
         if step == self.last_step:
-            grid = tuple(min(g, s) for g, s in zip(self.grid, denoised.shape[-3:]))
+            grid = self._denoised_grid(denoised.shape)
             self.denoised_grid = F.adaptive_avg_pool3d(denoised.detach().float().mean(0, keepdim=True), grid)[0]
 
     def signature(self) -> EarlySignature:

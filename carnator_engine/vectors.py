@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Optional
 
 import numpy as np
@@ -32,6 +33,31 @@ def _projection(inputs: int, outputs: int, salt: int) -> torch.Tensor:
     return torch.from_numpy((rng.standard_normal((inputs, outputs)) / np.sqrt(outputs)).astype(np.float32))
 
 
+_drawing: dict = {}     # denoised size -> the thread drawing its projection (warm_denoised_projection)
+_drawing_lock = threading.Lock()
+
+
+def warm_denoised_projection(size: int) -> None:
+    """Starts drawing the denoised projection for signatures of `size` numbers in a background thread. Drawing it
+    is the costly part of a process's first lookup for a latent shape (192 x 65536 normals for LTX-Video's
+    128-channel latent: about 0.3 s on the H200 host); the probe starts it so that its GPU steps hide it. The
+    values are the same as if drawn on demand; a wrong guess of the size only wastes the draw."""
+    with _drawing_lock:
+        if size in _drawing:
+            return
+        thread = threading.Thread(target=_projection, args=(size, DENOISED_DIM, 0), daemon=True,
+                                  name="carnator-projection")
+        _drawing[size] = thread
+        thread.start()
+
+
+def _denoised_projection(size: int) -> torch.Tensor:
+    thread = _drawing.get(size)
+    if thread is not None:
+        thread.join()   # one draw per size: wait for the warm-up's instead of drawing it a second time
+    return _projection(size, DENOISED_DIM, 0)
+
+
 def compact_vectors(signatures: list) -> torch.Tensor:
     """[len(signatures), VECTOR_DIM]; the signatures must share their shapes (one bucket's do)."""
     denoised = torch.stack([s.denoised.float().reshape(-1) for s in signatures])
@@ -39,7 +65,7 @@ def compact_vectors(signatures: list) -> torch.Tensor:
     hidden = hidden / hidden.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     blocks = max(1, hidden.shape[1:-1].numel())
     hidden = hidden.flatten(1)
-    vectors = torch.cat([(denoised @ _projection(denoised.shape[1], DENOISED_DIM, 0)) / math.sqrt(denoised.shape[1]),
+    vectors = torch.cat([(denoised @ _denoised_projection(denoised.shape[1])) / math.sqrt(denoised.shape[1]),
                          (hidden @ _projection(hidden.shape[1], HIDDEN_DIM, 1)) * (HIDDEN_WEIGHT / math.sqrt(blocks))],
                         dim=1)
     if not bool(torch.isfinite(vectors).all()):
