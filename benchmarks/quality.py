@@ -261,6 +261,11 @@ def sign_test(worse: int, better: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def adversaries(pair_rows: list) -> list:
+    """The scored requests of the adversarial pairs: only the second request of a pair meets its adversary."""
+    return pair_rows[1::2]
+
+
 def summarize(rows, steps, reference_rows):
     rows_scored = list(zip(rows, reference_rows))
     n = len(rows_scored)
@@ -367,10 +372,9 @@ def main(argv=None) -> int:
             torch.save({"key": reference_key(args), "rows": rows_by_method[method], "clips": reference},
                        args.reference_cache)
     ref_stream, ref_pairs = rows_by_method["no_reuse"]
-    second = lambda rows: rows[1::2]  # noqa: E731  only the second request of a pair meets its adversary
     for method, (stream_rows, pair_rows) in rows_by_method.items():
         results["iteration_stream"][method] = summarize(stream_rows, args.steps, ref_stream)
-        results["adversarial_pairs"][method] = summarize(second(pair_rows), args.steps, second(ref_pairs))
+        results["adversarial_pairs"][method] = summarize(adversaries(pair_rows), args.steps, adversaries(ref_pairs))
 
     machine = f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}"
     if model.frame_pos.is_cuda:

@@ -238,15 +238,22 @@ def pool(summaries: list) -> dict:
     n = sum(s["requests"] for s in summaries)
     mean = lambda key: sum(s[key] * s["requests"] for s in summaries) / n  # noqa: E731
     worse, better = sum(s["made_wrong"] for s in summaries), sum(s["made_right"] for s in summaries)
-    change = (better - worse) / n
-    spread = 1.96 * math.sqrt(max((worse + better) / n - change ** 2, 0.0) / n)
+    change, low, high = paired_change(worse, better, n)
     return {"requests": n, "hit_rate": mean("hit_rate"), "model_calls_saved": mean("model_calls_saved"),
             # runs made before exact repeats existed have no count (their fresh-seed results are the same)
             "exact_repeats": sum(s["exact_repeats"] for s in summaries)
             if all("exact_repeats" in s for s in summaries) else "not replayed",
             "attribute_accuracy": mean("attribute_accuracy"), "wrong_accepts": sum(s["wrong_accepts"] for s in summaries),
             "made_wrong": worse, "made_right": better, "sign_test_p": sign_test(worse, better),
-            "change": change, "change_low": change - spread, "change_high": change + spread}
+            "change": change, "change_low": low, "change_high": high}
+
+
+def paired_change(worse: int, better: int, n: int) -> tuple:
+    """(change, low, high): the accuracy change over n paired requests of which `worse` flipped to wrong and
+    `better` to right, with its 95 % interval (normal approximation over the per-request flips)."""
+    change = (better - worse) / n
+    spread = 1.96 * math.sqrt(max((worse + better) / n - change ** 2, 0.0) / n)
+    return change, change - spread, change + spread
 
 
 def pooled_table(out_dir: str) -> list:

@@ -3,7 +3,10 @@
 step-skipping cache) and Carnator on top of each. Reads quality.py JSON files (several are pooled, request-weighted,
 with the paired change of requests read all six right against no reuse and its 95 % interval, quality_suite.pool);
 writes a markdown
-table and a PNG plot (one panel per request set: the iteration stream and the adversarial pairs).
+table and a PNG plot (one panel per request set: the iteration stream and the adversarial pairs). Where the files
+hold their per-request rows, a second table compares each "Carnator on top of X" with X alone on the same requests
+(paired flips of all six right, 95 % interval): the difference the goal "equal or better accuracy" is about, which
+two intervals against no reuse cannot resolve.
 
     python benchmarks/tradeoff.py benchmarks/results/quality/quality_per_request_small_cpu.json \\
         --png benchmarks/results/quality/tradeoff_small_cpu.png --md benchmarks/results/quality/tradeoff_small_cpu.md
@@ -18,9 +21,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from quality_suite import label, pool  # noqa: E402
+import reports  # noqa: E402
+from quality import adversaries  # noqa: E402
+from quality_suite import label, paired_change, pool  # noqa: E402
 
 KINDS = (("iteration_stream", "iteration stream"), ("adversarial_pairs", "adversarial pairs"))
+# quality.py's name of each kind in its rows, and the rows it scores
+ROW_KINDS = {"iteration_stream": ("stream", lambda rows: rows), "adversarial_pairs": ("pairs", adversaries)}
 
 
 def request_sets(paths: list) -> list:
@@ -36,6 +43,48 @@ def request_sets(paths: list) -> list:
         for kind, _ in KINDS:
             joined[kind].update(data["results"][kind])
     return list(sets.values())
+
+
+def on_top_flips(paths: list) -> dict:
+    """kind -> (on-top method, the method alone) -> [worse, better, requests]: per request of every set, whether
+    Carnator on top of a method reads all six right where that method alone did not (better) or the reverse."""
+    from carnator_engine.demo.world import all_right
+    rows_by_set = {}
+    for path in paths:
+        report = reports.read(path)
+        args = report["args"]
+        key = (args["seed"], args["stream"], args["pairs"], args["fixed_seed"], args["restart_every"])
+        rows_by_set.setdefault(key, {}).update(report.get("rows", {}))
+    flips = {kind: {} for kind, _ in KINDS}
+    for rows in rows_by_set.values():
+        for method in rows:
+            alone = method.partition("+")[2]
+            if not alone or alone not in rows:
+                continue
+            for kind, _ in KINDS:
+                counts = flips[kind].setdefault((method, alone), [0, 0, 0])
+                name, scored = ROW_KINDS[kind]
+                for top, base in zip(scored(rows[method][name]), scored(rows[alone][name]), strict=True):
+                    if (top["prompt"], top["seed"]) != (base["prompt"], base["seed"]):
+                        raise ValueError(f"{method} and {alone} were not run on the same requests")
+                    top_right, base_right = all_right(top["read"], top["expected"]), all_right(base["read"],
+                                                                                              base["expected"])
+                    counts[0] += base_right and not top_right
+                    counts[1] += top_right and not base_right
+                    counts[2] += 1
+    return flips
+
+
+def on_top_table(flips: dict, totals: dict) -> str:
+    lines = ["| requests | Carnator on top of | calls saved alone / on top | accuracy change vs the method alone "
+             "(95 % interval) | made wrong / right |", "| --- " * 5 + "|"]
+    for kind, title in KINDS:
+        for (method, alone), (worse, better, n) in flips[kind].items():
+            change, low, high = paired_change(worse, better, n)
+            lines.append(f"| {title} ({n}) | {label(alone)} | {totals[kind][alone]['model_calls_saved']:.0%} / "
+                         f"{totals[kind][method]['model_calls_saved']:.0%} | {change * 100:+.1f} ({low * 100:+.1f} to "
+                         f"{high * 100:+.1f}) pts | {worse} / {better} |")
+    return "\n".join(lines)
 
 
 def pooled(results: list) -> dict:
@@ -94,6 +143,9 @@ def main(argv=None) -> int:
     sets = request_sets(args.results)
     totals = pooled(sets)
     text = table(totals, len(sets))
+    flips = on_top_flips(args.results)
+    if any(flips[kind] for kind, _ in KINDS):
+        text += "\n\n" + on_top_table(flips, totals)
     print(text)
     if args.md:
         with open(args.md, "w") as handle:

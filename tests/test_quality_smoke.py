@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -221,3 +222,32 @@ def test_tradeoff_joins_the_runs_of_one_request_set_and_counts_its_requests_once
     assert len(sets) == 2 and totals["no_reuse"]["requests"] == 8
     assert totals["steps_12"]["requests"] == 8 and totals["steps_12"]["made_wrong"] == 2
     assert totals["carnator_refine+steps_14"]["requests"] == 4 and totals["carnator_refine+steps_14"]["made_right"] == 1
+
+
+def test_tradeoff_pairs_carnator_on_top_with_the_method_alone_on_the_same_scored_requests(tmp_path):
+    # The goal is "equal or better accuracy than the method alone": two intervals against no reuse cannot resolve
+    # that, the per-request flips between the two can. Only the second request of an adversarial pair is scored.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import reports
+    from carnator_engine.demo.world import ATTRIBUTES
+    expected = {name: "x" for name in ATTRIBUTES}
+
+    def row(prompt, right):
+        return {"prompt": prompt, "seed": 1, "read": {**expected, "color": "x" if right else "y"}, "expected": expected}
+
+    def write(name, methods):
+        args = {"seed": 2, "stream": 3, "pairs": 1, "fixed_seed": False, "restart_every": 10}
+        results = {kind: {m: _summary(n, 0, 0, 0.3) for m in methods} for kind, n in
+                   (("iteration_stream", 3), ("adversarial_pairs", 1))}
+        rows = {m: {"stream": [row(f"s{i}", r) for i, r in enumerate(stream)],
+                    "pairs": [row(f"p{i}", r) for i, r in enumerate(pairs)]} for m, (stream, pairs) in methods.items()}
+        reports.write(str(tmp_path / name), {"args": args, "results": results, "rows": rows})
+        return str(tmp_path / name)
+    paths = [write("alone.json", {"no_reuse": ([1, 1, 1], [1, 1]), "steps_14": ([1, 0, 1], [0, 1])}),
+             write("on_top.json", {"no_reuse": ([1, 1, 1], [1, 1]), "carnator_refine+steps_14": ([0, 1, 0], [1, 0])})]
+    tradeoff = _script("tradeoff")
+    flips = tradeoff.on_top_flips(paths)
+    assert flips["iteration_stream"] == {("carnator_refine+steps_14", "steps_14"): [2, 1, 3]}
+    assert flips["adversarial_pairs"] == {("carnator_refine+steps_14", "steps_14"): [1, 0, 1]}   # the first not scored
+    table = tradeoff.on_top_table(flips, tradeoff.pooled(tradeoff.request_sets(paths)))
+    assert "| iteration stream (3) | steps_14 | 30% / 30% | -33.3" in table
