@@ -15,7 +15,8 @@ resume step differs from k the hit is forced to k and the JSON says so, as in gp
   ltxv-2b       LTX-Video-2B architecture (2048 wide, 32 heads, 28 blocks), 1216x704 x 121 frames:
                 latent [1, 128, 16, 22, 38], 13376 tokens
 Reductions against the models' usual settings (to fit one H200 in about 8 minutes): 20 steps instead of 40-50;
-49 frames instead of 81 (Wan) or 129 at 720p (HunyuanVideo).
+49 frames instead of 81 (Wan) or 129 at 720p (HunyuanVideo). `--video FRAMESxHEIGHTxWIDTH` sets another clip size
+for the backbones of a run (`--only`), e.g. `--only ltxv-2b --video 257x704x1216`.
 
 Per backbone: plain ComfyUI sampling (both experts split at the switch for Wan 2.2, as the template's two
 KSamplerAdvanced do), the attention share a (self-attention a no-op), a Carnator miss on an empty store, a hit (the
@@ -60,6 +61,32 @@ SMOKE = {
 }
 
 
+# per latent kind: (channels, frames per latent frame, pixels per latent cell): ComfyUI's latent formats
+VIDEO_LATENTS = {"wan": (16, 4, 8), "hunyuan": (16, 4, 8), "ltxv": (128, 8, 32)}
+
+
+def video_latent(kind: str, frames: int, height: int, width: int) -> tuple:
+    """The [1, C, T, H, W] latent of a `frames` x `height` x `width` clip for a backbone kind, as its VAE makes it."""
+    channels, per_frame, per_cell = VIDEO_LATENTS[kind]
+    cell = per_cell * 2 if kind != "ltxv" else per_cell    # Wan and HunyuanVideo patch 2 x 2 cells into a token
+    if frames < 1 or (frames - 1) % per_frame:
+        raise SystemExit(f"--video: {kind} takes 1 + {per_frame} k frames (e.g. {1 + per_frame * 12}), got {frames}")
+    if height % cell or width % cell or height <= 0 or width <= 0:
+        raise SystemExit(f"--video: {kind} takes a height and width that are multiples of {cell}, got {height}x{width}")
+    return (1, channels, 1 + (frames - 1) // per_frame, height // per_cell, width // per_cell)
+
+
+def with_video(specs: dict, video) -> dict:
+    """The real-size specs, each with the latent of `video` ("FRAMESxHEIGHTxWIDTH") instead of its default size."""
+    if not video:
+        return specs
+    try:
+        frames, height, width = (int(part) for part in video.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--video takes FRAMESxHEIGHTxWIDTH (e.g. 81x480x832), got {video!r}") from None
+    return {name: {**spec, "latent": video_latent(spec["kind"], frames, height, width)} for name, spec in specs.items()}
+
+
 def common_parser(description, backbones):
     """The arguments every per-backbone benchmark takes: output, smoke, which backbones, the host, N, p and seed."""
     parser = argparse.ArgumentParser(description=description)
@@ -70,6 +97,9 @@ def common_parser(description, backbones):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--probe", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--video", default=None,
+                        help="FRAMESxHEIGHTxWIDTH for every backbone run, e.g. 81x480x832 (default: each backbone's "
+                             "reduced size above; ignored with --smoke)")
     return parser
 
 
@@ -384,7 +414,7 @@ def run(args):
     path = gs.find_comfyui(args.comfyui)
     version = gs.import_comfy(path, cpu=not cuda)
     started = time.perf_counter()
-    specs = SMOKE if args.smoke else BACKBONES
+    specs = SMOKE if args.smoke else with_video(BACKBONES, args.video)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "dtype": str(dtype), "steps": n, "probe": p,
            "resume": k, "max_density": args.max_density, "gate_overrides": {}, "smoke": args.smoke, "results": {}}

@@ -49,3 +49,20 @@ def test_gate_transfer_smoke(tmp_path):
         for answer in answers["new seed"]:
             assert not answer["reuse"], (name, answer)
     assert data["answered"] == 28 and "| share of chance |" in proc.stdout
+
+
+def test_a_video_size_gives_each_backbone_the_latent_its_vae_makes():
+    # --video lets a GPU run use more frames than the reduced defaults (the 2.2x goal needs the attention share
+    # of longer clips); the defaults above are these sizes' latents, and a size the VAE cannot make is refused
+    import pytest
+    from test_quality_smoke import _script
+    gb = _script("gpu_backbones")
+    assert gb.video_latent("wan", 49, 480, 832) == gb.BACKBONES["wan2.2-a14b"]["latent"] == (1, 16, 13, 60, 104)
+    assert gb.video_latent("hunyuan", 81, 480, 832) == (1, 16, 21, 60, 104)
+    assert gb.video_latent("ltxv", 121, 704, 1216) == gb.BACKBONES["ltxv-2b"]["latent"] == (1, 128, 16, 22, 38)
+    sized = gb.with_video(gb.BACKBONES, "257x704x1216")
+    assert sized["ltxv-2b"]["latent"] == (1, 128, 33, 22, 38) and sized["wan2.2-a14b"]["latent"] == (1, 16, 65, 88, 152)
+    assert gb.with_video(gb.BACKBONES, None) is gb.BACKBONES
+    for bad, message in (("80x480x832", r"1 \+ 4 k frames"), ("81x470x832", "multiples of 16"), ("81x480", "FRAMESx")):
+        with pytest.raises(SystemExit, match=message):
+            gb.with_video(gb.BACKBONES, bad)
