@@ -78,8 +78,8 @@ class SignatureRecorder:
             self.attention[block_index] = coarse / coarse.sum(-1, keepdim=True)
 
     def denoised_size(self, latent_shape) -> int:
-        """How many numbers the signature's coarse x0-hat of a [B, C, T, H, W] latent holds."""
-        return latent_shape[-4] * math.prod(self._denoised_grid(latent_shape))
+        """How many numbers the signature's coarse x0-hat of a [B, C, T, H, W] latent holds (0 for another shape)."""
+        return latent_shape[-4] * math.prod(self._denoised_grid(latent_shape)) if len(latent_shape) >= 4 else 0
 
     def _denoised_grid(self, latent_shape) -> tuple:
         return tuple(min(g, s) for g, s in zip(self.grid, latent_shape[-3:]))

@@ -40,10 +40,10 @@ _drawing_lock = threading.Lock()
 def warm_denoised_projection(size: int) -> None:
     """Starts drawing the denoised projection for signatures of `size` numbers in a background thread. Drawing it
     is the costly part of a process's first lookup for a latent shape (192 x 65536 normals for LTX-Video's
-    128-channel latent: about 0.3 s on the H200 host); the probe starts it so that its GPU steps hide it. The
-    values are the same as if drawn on demand; a wrong guess of the size only wastes the draw."""
+    128-channel latent: 0.36 s of an H200 run's first lookup); the probe starts it so that its GPU steps hide it.
+    The values are the same as if drawn on demand; a wrong guess of the size only wastes the draw."""
     with _drawing_lock:
-        if size in _drawing:
+        if size <= 0 or size in _drawing:
             return
         thread = threading.Thread(target=_projection, args=(size, DENOISED_DIM, 0), daemon=True,
                                   name="carnator-projection")
