@@ -151,8 +151,11 @@ def main(argv=None) -> int:
         with open(args.md, "w") as handle:
             handle.write(text + "\n")
     if args.png:
-        names = ", ".join(os.path.basename(p) for p in args.results[:3]) + (" ..." if len(args.results) > 3 else "")
-        plot(totals, args.png, f"Evaluation world: accuracy vs calls saved ({names})")
+        habits = {reports.read(path, rows=False)["args"]["fixed_seed"] for path in args.results}
+        habit = {frozenset([True]): "one seed per session", frozenset([False]): "fresh seeds"}.get(frozenset(habits),
+                                                                                              "both seed habits")
+        plot(totals, args.png, f"Evaluation world: accuracy vs calls saved ({len(sets)} request set"
+                               f"{'s' if len(sets) > 1 else ''}, {habit}, {len(args.results)} files)")
     return 0
 
 
