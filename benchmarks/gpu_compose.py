@@ -129,11 +129,11 @@ def run(args):
                            seed=args.seed)
 
     def written(result):
-        """Waits for the entry the request queued, outside the timed span: (seconds it took after the return)."""
+        """(entry id, seconds): waits for the entry the request queued, outside the timed span. Called first after
+        the request: anything that reads result.entry_id before it would already have waited."""
         returned = time.perf_counter()
-        if result.storing is not None:
-            result.storing.wait()
-        return time.perf_counter() - returned
+        entry_id = result.entry_id
+        return entry_id, time.perf_counter() - returned
 
     def plain(m, cfg, label):
         m, calls = counted(m)
@@ -148,10 +148,11 @@ def run(args):
         runner, store = runner_for(m, cfg), new_store(label)
         with timed() as span:
             result = generate(runner, noise, runner.sigmas, store, config, PROMPT, args.seed)
-        if result.decision.reuse or result.entry_id is None:
+        entry_id, write_after = written(result)
+        if result.decision.reuse or entry_id is None:
             raise RuntimeError(f"{label}: expected a stored miss, got {result.summary()}")
         facts = {"seconds": span["seconds"], "model_calls": calls[0], "parts_s": result.seconds,
-                 "write_after_s": written(result), "summary_model_calls": result.model_calls,
+                 "write_after_s": write_after, "summary_model_calls": result.model_calls,
                  "step_cache": result.step_cache}
         log(f"{label}: {facts['seconds']:.2f} s, {calls[0]} calls, written {facts['write_after_s']:.2f} s after the "
             f"return {({name: round(v, 3) for name, v in result.seconds.items()})}")
@@ -160,12 +161,13 @@ def run(args):
     def hit(runner, store, calls, label):
         calls[0] = 0
         facts, result, _ = carnator_hit(runner, store, config, noise, runner.sigmas, k, args.seed)
+        entry_id, write_after = written(result)
         case = {"seconds": facts["seconds"], "model_calls": calls[0], "resume_step": facts["resume_step"],
                 "gate_resume_step": facts["gate_resume_step"], "density": facts["plan_mean_density"],
                 "probe_s": facts["probe_s"], "lookup_gate_s": facts["lookup_gate_s"],
-                "resume_s": facts["resume_and_write_s"], "write_after_s": written(result),
+                "resume_s": facts["resume_and_write_s"], "write_after_s": write_after,
                 "summary_model_calls": result.model_calls, "step_cache_skipped": result.step_cache_skipped}
-        store.delete(result.entry_id)   # a repeat resumes from the miss's entry, not from this hit's (no step k)
+        store.delete(entry_id)   # a repeat resumes from the miss's entry, not from this hit's (no step k)
         log(f"{label}: {case['seconds']:.2f} s, {calls[0]} calls (probe {case['probe_s']:.2f}, lookup+gate "
             f"{case['lookup_gate_s'] * 1e3:.1f} ms, resume {case['resume_s']:.2f}), k={case['resume_step']} (gate "
             f"{case['gate_resume_step']}), density {case['density']:.3f}")
@@ -186,7 +188,6 @@ def run(args):
             warm = runner_for(model, 1.0, warm_steps)
             warm_config = CarnatorConfig(probe_steps=2, block_size=preset["block_size"], max_density=args.max_density)
             warm_result = generate(warm, noise, warm.sigmas, new_store("warm-up"), warm_config, PROMPT, args.seed)
-            written(warm_result)
             connectivity = stores[-1].trajectory(stores[-1].record(warm_result.entry_id)).connectivity
             tokens = math.prod(warm.layout.token_grid(latent_shape))
             sparse = plan_from_tensors(connectivity, torch.zeros(tokens, dtype=torch.bool))
