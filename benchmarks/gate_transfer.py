@@ -33,7 +33,8 @@ import gpu_backbones as gb  # noqa: E402
 import gpu_speed as gs  # noqa: E402
 import reports  # noqa: E402
 
-WAN_1_3B = dict(kind="wan", experts=1, dim=1536, layers=30, ffn=8960, latent=(1, 16, 21, 60, 104), text_len=512)
+WAN_1_3B = dict(kind="wan", experts=1, **{key: gs.PRESETS["real"][key] for key in ("dim", "layers", "ffn", "latent",
+                                                                                    "text_len")})
 BACKBONES = {"wan2.1-1.3b": WAN_1_3B, **gb.BACKBONES}
 SMOKE = {"wan2.1-1.3b": dict(gb.SMOKE["wan2.2-a14b"], experts=1), **gb.SMOKE}
 EXPECTED = {"nudged noise": True, "nudged text": True, "new seed": False, "new text": False}

@@ -61,14 +61,15 @@ SMOKE = {
 }
 
 
-# per latent kind: (channels, frames per latent frame, pixels per latent cell): ComfyUI's latent formats
-VIDEO_LATENTS = {"wan": (16, 4, 8), "hunyuan": (16, 4, 8), "ltxv": (128, 8, 32)}
+# per latent kind: (channels, frames per latent frame, pixels per latent cell, latent cells per token side): ComfyUI's
+# latent formats, and the models' patching (Wan and HunyuanVideo patch 2 x 2 cells into a token, LTX-Video 1 x 1)
+VIDEO_LATENTS = {"wan": (16, 4, 8, 2), "hunyuan": (16, 4, 8, 2), "ltxv": (128, 8, 32, 1)}
 
 
 def video_latent(kind: str, frames: int, height: int, width: int) -> tuple:
     """The [1, C, T, H, W] latent of a `frames` x `height` x `width` clip for a backbone kind, as its VAE makes it."""
-    channels, per_frame, per_cell = VIDEO_LATENTS[kind]
-    cell = per_cell * 2 if kind != "ltxv" else per_cell    # Wan and HunyuanVideo patch 2 x 2 cells into a token
+    channels, per_frame, per_cell, patch = VIDEO_LATENTS[kind]
+    cell = per_cell * patch
     if frames < 1 or (frames - 1) % per_frame:
         raise SystemExit(f"--video: {kind} takes 1 + {per_frame} k frames (e.g. {1 + per_frame * 12}), got {frames}")
     if height % cell or width % cell or height <= 0 or width <= 0:

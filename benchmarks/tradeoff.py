@@ -15,7 +15,6 @@ two intervals against no reuse cannot resolve.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -30,31 +29,34 @@ KINDS = (("iteration_stream", "iteration stream"), ("adversarial_pairs", "advers
 ROW_KINDS = {"iteration_stream": ("stream", lambda rows: rows), "adversarial_pairs": ("pairs", adversaries)}
 
 
-def request_sets(paths: list) -> list:
-    """One results dict per request set: files of the same set (its seed, sizes and seed habit; each holds that
+def load(paths: list) -> list:
+    """The quality.py reports at `paths`, each read once with its rows where it has them."""
+    return [reports.read(path) for path in paths]
+
+
+def _set_key(args: dict) -> tuple:
+    """What makes a request set: its seed, sizes and seed habit."""
+    return args["seed"], args["stream"], args["pairs"], args["fixed_seed"], args["restart_every"]
+
+
+def request_sets(loaded: list) -> list:
+    """One results dict per request set of the reports (reports.read): files of the same set (each holds that
     set's no_reuse reference) are joined, so a set split over several runs counts its requests once."""
     sets = {}
-    for path in paths:
-        with open(path) as handle:
-            data = json.load(handle)
-        args = data["args"]
-        key = (args["seed"], args["stream"], args["pairs"], args["fixed_seed"], args["restart_every"])
-        joined = sets.setdefault(key, {kind: {} for kind, _ in KINDS})
+    for report in loaded:
+        joined = sets.setdefault(_set_key(report["args"]), {kind: {} for kind, _ in KINDS})
         for kind, _ in KINDS:
-            joined[kind].update(data["results"][kind])
+            joined[kind].update(report["results"][kind])
     return list(sets.values())
 
 
-def on_top_flips(paths: list) -> dict:
+def on_top_flips(loaded: list) -> dict:
     """kind -> (on-top method, the method alone) -> [worse, better, requests]: per request of every set, whether
     Carnator on top of a method reads all six right where that method alone did not (better) or the reverse."""
     from carnator_engine.demo.world import all_right
     rows_by_set = {}
-    for path in paths:
-        report = reports.read(path)
-        args = report["args"]
-        key = (args["seed"], args["stream"], args["pairs"], args["fixed_seed"], args["restart_every"])
-        rows_by_set.setdefault(key, {}).update(report.get("rows", {}))
+    for report in loaded:
+        rows_by_set.setdefault(_set_key(report["args"]), {}).update(report.get("rows", {}))
     flips = {kind: {} for kind, _ in KINDS}
     for rows in rows_by_set.values():
         for method in rows:
@@ -94,7 +96,7 @@ def pooled(results: list) -> dict:
 
 
 def table(totals: dict, sets: int) -> str:
-    lines = [f"| requests | method | calls saved | attr acc (no reuse) | change (95 % interval) | made wrong / right |",
+    lines = ["| requests | method | calls saved | attr acc (no reuse) | change (95 % interval) | made wrong / right |",
              "| --- " * 6 + "|"]
     for kind, title in KINDS:
         rows = totals[kind]
@@ -140,10 +142,11 @@ def main(argv=None) -> int:
     parser.add_argument("--png", help="plot to write")
     parser.add_argument("--md", help="markdown table to write")
     args = parser.parse_args(argv)
-    sets = request_sets(args.results)
+    loaded = load(args.results)
+    sets = request_sets(loaded)
     totals = pooled(sets)
     text = table(totals, len(sets))
-    flips = on_top_flips(args.results)
+    flips = on_top_flips(loaded)
     if any(flips[kind] for kind, _ in KINDS):
         text += "\n\n" + on_top_table(flips, totals)
     print(text)
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
         with open(args.md, "w") as handle:
             handle.write(text + "\n")
     if args.png:
-        habits = {reports.read(path, rows=False)["args"]["fixed_seed"] for path in args.results}
+        habits = {report["args"]["fixed_seed"] for report in loaded}
         habit = {frozenset([True]): "one seed per session", frozenset([False]): "fresh seeds"}.get(frozenset(habits),
                                                                                               "both seed habits")
         plot(totals, args.png, f"Evaluation world: accuracy vs calls saved ({len(sets)} request set"

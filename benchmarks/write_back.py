@@ -19,7 +19,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -32,6 +31,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
+import reports  # noqa: E402
 from gpu_speed import (PRESETS, PROMPT, TEXT_DIM, build_model, find_comfyui, import_comfy, median,  # noqa: E402
                        plain_sample, timed)
 
@@ -121,8 +121,7 @@ def run(args):
     out.update(seconds=times, medians=medians, session_seconds=session,
                returned_vs_plain_pct=100 * (medians["returned"] / medians["plain"] - 1),
                written_vs_plain_pct=100 * (medians["written"] / medians["plain"] - 1))
-    with open(args.out, "w") as handle:
-        json.dump(out, handle, indent=2)
+    reports.write(args.out, out)
     print(f"{out['device']} ({out['cpu_count']} cores), latent {preset['latent']}, N={n}, entry "
           f"{out['entry_bytes'] / 2**20:.1f} MiB, {args.repeats} repeats, medians:")
     print(f"  plain ComfyUI                          {medians['plain']:.3f} s")

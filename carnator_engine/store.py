@@ -237,8 +237,9 @@ class CarnatorStore:
                     ids, vectors = rows.setdefault(record.bucket, ([], bytearray()))
                     ids.append(entry_id)
                     vectors += vector.tobytes()    # one buffer, not 100k small arrays
-                if _bucket_parts(record) is not None:
-                    parts.setdefault(record.bucket, _bucket_parts(record))
+                recorded = _bucket_parts(record)
+                if recorded is not None:
+                    parts.setdefault(record.bucket, recorded)
             matrices = {bucket: BucketMatrix(ids, np.frombuffer(vectors, np.float16).reshape(len(ids), VECTOR_DIM))
                         for bucket, (ids, vectors) in rows.items()}
             self._index = MemoryIndex.assembled(entries, matrices, parts)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -217,7 +216,7 @@ def test_tradeoff_joins_the_runs_of_one_request_set_and_counts_its_requests_once
              write("b2.json", 2, {"no_reuse": (0, 0, 0.0), "carnator_refine+steps_14": (0, 1, 0.5)}),
              write("a3.json", 3, {"no_reuse": (0, 0, 0.0), "steps_12": (1, 0, 0.4)})]
     tradeoff = _script("tradeoff")
-    sets = tradeoff.request_sets(paths)
+    sets = tradeoff.request_sets(tradeoff.load(paths))
     totals = tradeoff.pooled(sets)["iteration_stream"]
     assert len(sets) == 2 and totals["no_reuse"]["requests"] == 8
     assert totals["steps_12"]["requests"] == 8 and totals["steps_12"]["made_wrong"] == 2
@@ -227,8 +226,7 @@ def test_tradeoff_joins_the_runs_of_one_request_set_and_counts_its_requests_once
 def test_tradeoff_pairs_carnator_on_top_with_the_method_alone_on_the_same_scored_requests(tmp_path):
     # The goal is "equal or better accuracy than the method alone": two intervals against no reuse cannot resolve
     # that, the per-request flips between the two can. Only the second request of an adversarial pair is scored.
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import reports
+    reports = _script("reports")
     from carnator_engine.demo.world import ATTRIBUTES
     expected = {name: "x" for name in ATTRIBUTES}
 
@@ -246,8 +244,8 @@ def test_tradeoff_pairs_carnator_on_top_with_the_method_alone_on_the_same_scored
     paths = [write("alone.json", {"no_reuse": ([1, 1, 1], [1, 1]), "steps_14": ([1, 0, 1], [0, 1])}),
              write("on_top.json", {"no_reuse": ([1, 1, 1], [1, 1]), "carnator_refine+steps_14": ([0, 1, 0], [1, 0])})]
     tradeoff = _script("tradeoff")
-    flips = tradeoff.on_top_flips(paths)
+    flips = tradeoff.on_top_flips(tradeoff.load(paths))
     assert flips["iteration_stream"] == {("carnator_refine+steps_14", "steps_14"): [2, 1, 3]}
     assert flips["adversarial_pairs"] == {("carnator_refine+steps_14", "steps_14"): [1, 0, 1]}   # the first not scored
-    table = tradeoff.on_top_table(flips, tradeoff.pooled(tradeoff.request_sets(paths)))
+    table = tradeoff.on_top_table(flips, tradeoff.pooled(tradeoff.request_sets(tradeoff.load(paths))))
     assert "| iteration stream (3) | steps_14 | 30% / 30% | -33.3" in table
