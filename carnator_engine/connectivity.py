@@ -27,12 +27,15 @@ class ConnectivityRecorder:
         # The first step from record_step on that runs the block: a step cache (EasyCache) may skip that very one
         if step >= self.record_step and block_index not in self.connectivity:
             pooled = pooled_block_attention(q, k, self.block_size)
-            self.connectivity[block_index] = select_connectivity(pooled, mass=self.mass, max_density=self.max_density)
+            self.connectivity[block_index] = select_connectivity(pooled, mass=self.mass, max_density=self.max_density,
+                                                                 check_values=False)
 
     def tensors(self) -> dict:
         if not self.connectivity:
             return {}
-        tables = {str(index): table.cpu() for index, table in self.connectivity.items()}
+        order = sorted(self.connectivity)
+        on_host = torch.stack([self.connectivity[index] for index in order]).cpu()   # one copy, not one per block
+        tables = {str(index): table.clone() for index, table in zip(order, on_host.unbind(0))}   # own storage each
         return {**tables, BLOCK_SIZE_KEY: torch.tensor(self.block_size)}
 
 

@@ -160,7 +160,7 @@ def request_identity(runner, noise: torch.Tensor, sigmas: torch.Tensor) -> tuple
     seed) and the noise itself, whole."""
     bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
     digest = hashlib.sha256(f"{bucket}|{runner.request_fingerprint}|".encode())
-    digest.update(noise.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    digest.update(noise.detach().to("cpu", torch.float32).contiguous().numpy())   # hashed in place, not copied
     return bucket, digest.hexdigest()[:32]
 
 

@@ -162,16 +162,18 @@ def _diagonal_index(nqb: int, nkb: int, device=None) -> torch.Tensor:
 
 
 def _block_pool(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Mean of x [B, H, L, D] over each block of tokens -> float32 [B, H, nb, D]."""
-    B, H, L, D = x.shape
-    nb = num_blocks(L, block_size)
-    pad = nb * block_size - L
-    xf = x.float()
-    if pad:
-        xf = F.pad(xf, (0, 0, 0, pad))
-    sums = xf.view(B, H, nb, block_size, D).sum(dim=3)
+    """Mean of x [B, H, L, D] over each block of tokens -> float32 [B, H, nb, D]. Summed in float32 straight from
+    x's strided view: a float copy (and a padded one) of a video's q and k cost more than the pooling itself."""
+    L = x.shape[2]
+    full = L // block_size
+    parts = []
+    if full:
+        parts.append(x[:, :, :full * block_size].unflatten(2, (full, block_size)).sum(3, dtype=torch.float32))
+    if L > full * block_size:
+        parts.append(x[:, :, full * block_size:].sum(2, keepdim=True, dtype=torch.float32))
+    sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     counts = _block_sizes(L, block_size, device=x.device).to(torch.float32)
-    return sums / counts.view(1, 1, nb, 1)
+    return sums / counts.view(1, 1, -1, 1)
 
 
 def _as_block_mask_vector(blocks: Any, nb: int, what: str, device) -> torch.Tensor:
@@ -232,7 +234,8 @@ def pooled_block_attention(q: torch.Tensor, k: torch.Tensor, block_size: int) ->
 
 
 def select_connectivity(
-    block_attention: torch.Tensor, mass: float = 0.9, min_blocks_per_row: int = 1, max_density: float = 1.0
+    block_attention: torch.Tensor, mass: float = 0.9, min_blocks_per_row: int = 1, max_density: float = 1.0,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Smallest per-row set of key blocks whose pooled mass reaches ``mass``, capped at ``max_density``.
 
@@ -241,7 +244,8 @@ def select_connectivity(
     (a budget: near-uniform attention would otherwise need almost every block to
     reach the mass, and a kernel that visits 90 % of the blocks saves nothing), at least
     ``min_blocks_per_row``, and always the diagonal block (``j = i * nkb // nqb``).
-    Ties are broken towards the lower key index.
+    Ties are broken towards the lower key index.  ``check_values=False`` skips the finite and non-negative check
+    (two device synchronisations, mid-step on a GPU) for a summary known to hold probabilities: pooled_block_attention's.
     """
     if isinstance(mass, bool) or not isinstance(mass, (int, float, np.floating, np.integer)):
         raise ValueError(f"mass must be a number in (0, 1], got {mass!r}")
@@ -271,7 +275,7 @@ def select_connectivity(
     if nqb == 0 or nkb == 0:
         raise ValueError(f"block_attention is empty: shape {(nqb, nkb)}")
     p = block_attention.detach().to(torch.float64)
-    if not bool(torch.isfinite(p).all()) or bool((p < 0).any()):
+    if check_values and (not bool(torch.isfinite(p).all()) or bool((p < 0).any())):
         raise ValueError("block_attention must be finite and non-negative")
     row_sum = p.sum(dim=-1, keepdim=True)
     p = torch.where(row_sum > 0, p / row_sum.clamp_min(1e-300), torch.full_like(p, 1.0 / nkb))

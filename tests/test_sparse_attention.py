@@ -111,6 +111,38 @@ def test_pooled_rows_sum_to_one_and_match_manual():
     torch.testing.assert_close(pooled, manual, atol=1e-6, rtol=1e-5)
 
 
+def test_pooled_reads_a_strided_low_precision_view_like_its_float_copy():
+    # q and k arrive as [B, L, heads, D] transposed to [B, heads, L, D] (a view), in bf16 on a GPU: pooled in
+    # float32 from the view, with the partial last block averaged over its real tokens
+    q, k, _ = qkv(B=1, H=4, L=70, D=8, seed=3)
+    q_view, k_view = (t.transpose(1, 2).contiguous().transpose(1, 2).bfloat16() for t in (q, k))
+    assert not q_view.is_contiguous()
+    torch.testing.assert_close(pooled_block_attention(q_view, k_view, 16),
+                               pooled_block_attention(q_view.float().contiguous(), k_view.float().contiguous(), 16),
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_connectivity_recorder_reads_no_value_back_mid_step(monkeypatch):
+    # a Python bool or float of a tensor is a device synchronisation on a GPU: one per block would stall the miss's
+    # recorded step (measured at 480p x 81 frames: benchmarks/miss_profile.py)
+    from carnator_engine.connectivity import ConnectivityRecorder
+    q, k, _ = qkv(B=1, H=2, L=64, D=8, seed=5)
+    recorder = ConnectivityRecorder(record_step=1, block_size=16, mass=0.9, max_density=0.5)
+    reads = []
+    for name in ("__bool__", "__float__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
+    for block in range(3):
+        recorder.self_attention(1, block, q, k)
+    monkeypatch.undo()
+    assert reads == []
+    tables = recorder.tensors()
+    assert sorted(tables) == ["0", "1", "2", "block_size"]
+    assert all(t.dtype == torch.bool and t.shape == (4, 4) for name, t in tables.items() if name != "block_size")
+    reference = sa.select_connectivity(pooled_block_attention(q, k, 16), mass=0.9, max_density=0.5)
+    assert torch.equal(tables["1"], reference)
+
+
 def _reference_select(row, mass):
     order = sorted(range(len(row)), key=lambda j: -row[j])
     kept, acc = set(), 0.0
