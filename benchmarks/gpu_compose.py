@@ -26,7 +26,6 @@ the plain miss within 1 % of plain.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import platform
@@ -42,15 +41,11 @@ import torch  # noqa: E402
 
 import reports  # noqa: E402
 from gpu_speed import (PRESETS, PROMPT, TEXT_DIM, build_model, carnator_hit, elapsed_logger,  # noqa: E402
-                       find_comfyui, import_comfy, median, plain_sample, rel_diff, timed)
+                       find_comfyui, host_arguments, import_comfy, median, plain_sample, rel_diff, timed)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU-friendly size (gpu_speed's smoke preset)")
-    parser.add_argument("--comfyui", default=None)
-    parser.add_argument("--device", default="auto")
+    parser = host_arguments(__doc__)
     parser.add_argument("--easycache-thresholds", default="0.2,0.3,0.4",
                         help="EasyCache reuse_threshold values tried; the one nearest 2x is used")
     parser.add_argument("--easycache-start", type=float, default=0.15)

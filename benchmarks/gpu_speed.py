@@ -65,12 +65,18 @@ HEAD_DIM = 128
 PROMPT = "gpu speed benchmark request"
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def host_arguments(doc: str) -> argparse.ArgumentParser:
+    """The arguments every benchmark of this setup takes: --out, --smoke, --comfyui, --device."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU-friendly size (2 layers, dim 256, N=10)")
     parser.add_argument("--comfyui", default=None, help="ComfyUI checkout (holds comfy/)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = host_arguments(__doc__)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--probe", type=int, default=None)
     parser.add_argument("--resume", type=int, default=None)

@@ -14,7 +14,6 @@ of the CUDA runtime calls that stall the CPU or the GPU (synchronisations, copie
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import os
@@ -31,7 +30,7 @@ import torch  # noqa: E402
 
 import reports  # noqa: E402
 from gpu_speed import (PRESETS, PROMPT, TEXT_DIM, build_model, elapsed_logger, find_comfyui,  # noqa: E402
-                       import_comfy, median, plain_sample, timed)
+                       host_arguments, import_comfy, median, plain_sample, timed)
 
 RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
                  "cudaMemcpy", "cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaFreeHost", "cudaMemGetInfo",
@@ -39,11 +38,7 @@ RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSyn
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU-friendly size (gpu_speed's smoke preset)")
-    parser.add_argument("--comfyui", default=None)
-    parser.add_argument("--device", default="auto")
+    parser = host_arguments(__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler pair")
     parser.add_argument("--seed", type=int, default=0)
@@ -142,7 +137,6 @@ def run(args):
     import comfy.sample
     import comfy.sampler_helpers
     from carnator_engine import pipeline
-    from carnator_engine.hosts import comfyui as host
     from carnator_engine.hosts.comfyui import ComfyRunner
     from carnator_engine.pipeline import CarnatorConfig, generate
     from carnator_engine.store import CarnatorStore

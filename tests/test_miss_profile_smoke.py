@@ -1,0 +1,31 @@
+"""CPU smoke run of benchmarks/miss_profile.py: the plumbing (per-step marks of plain and miss side by side, the
+wrapped host calls restored afterwards, the profiler pair), not speed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from test_gpu_speed_smoke import ROOT, TIME_LIMIT_S, skip_without_comfyui
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "miss_profile.py")
+
+
+def test_miss_profile_smoke(tmp_path):
+    skip_without_comfyui()
+    out = tmp_path / "miss_profile.json"
+    completed = subprocess.run([sys.executable, SCRIPT, "--smoke", "--repeats", "2", "--device", "cpu",
+                                "--out", str(out)], capture_output=True, text=True, timeout=TIME_LIMIT_S)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(out.read_text())
+    steps = report["config"]["steps"]
+    assert len(report["runs"]) == 2
+    for row in report["runs"]:
+        assert [s for s, _ in row["plain"]["steps_ms"]] == [s for s, _ in row["miss"]["steps_ms"]] == list(range(steps))
+        assert row["miss_calls"]["comfy.sample.sample_custom"]["calls"] == 2    # the probe, then the rest
+        assert row["plain_calls"]["comfy.sample.sample_custom"]["calls"] == 1
+        assert "pipeline.lookup" not in row["plain_calls"]
+    assert {"extra_pct", "extra_ms_step_p", "extra_ms_steps_after_p"} <= set(report["summary"])
+    assert set(report["profiled"]) == {"plain", "miss"}
+    assert "| where | extra ms |" in completed.stdout
