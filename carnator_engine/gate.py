@@ -73,9 +73,9 @@ SWITCHES = tuple(f.name for f in fields(GatePolicy) if f.type == "bool")   # on/
 # checked in the evaluation world, where the truth of every generated attribute is known: benchmarks/calibrate_gate.py
 # shows each input's distribution per kind of edit, benchmarks/quality.py what each preset costs and saves.
 RISK_POLICIES = {
-    "safe": GatePolicy(max_hidden=0.010, max_attention=0.08, max_context=0.20, max_context_share=0.50,
+    "safe": GatePolicy(max_hidden=0.010, max_attention=0.08, max_context=0.20, max_context_share=0.40,
                        cell_threshold=0.30, max_target_fraction=0.35, max_resume_fraction=0.45),
-    "balanced": GatePolicy(max_hidden=0.020, max_attention=0.12, max_context=0.30, max_context_share=0.70,
+    "balanced": GatePolicy(max_hidden=0.020, max_attention=0.12, max_context=0.30, max_context_share=0.50,
                            cell_threshold=0.35, max_target_fraction=0.50, max_resume_fraction=0.55),
     "aggressive": GatePolicy(max_hidden=0.040, max_attention=0.18, max_context=0.40, max_context_share=0.85,
                              cell_threshold=0.40, max_target_fraction=0.65, max_resume_fraction=0.65),
