@@ -122,7 +122,7 @@ def run(args):
     dtype = torch.bfloat16 if cuda else torch.float32
     version = gs.import_comfy(gs.find_comfyui(args.comfyui), cpu=not cuda)
     started = time.perf_counter()
-    specs = SMOKE if args.smoke else gb.with_video(BACKBONES, args.video)
+    specs = SMOKE if args.smoke else gb.with_video(BACKBONES, args.video, args.only.split(","))
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "dtype": str(dtype), "steps": args.steps,
            "probe": args.probe, "gate_overrides": {}, "smoke": args.smoke, "results": {}}

@@ -77,15 +77,17 @@ def video_latent(kind: str, frames: int, height: int, width: int) -> tuple:
     return (1, channels, 1 + (frames - 1) // per_frame, height // per_cell, width // per_cell)
 
 
-def with_video(specs: dict, video) -> dict:
-    """The real-size specs, each with the latent of `video` ("FRAMESxHEIGHTxWIDTH") instead of its default size."""
+def with_video(specs: dict, video, names=None) -> dict:
+    """The real-size specs, those of `names` (default: all) with the latent of `video` ("FRAMESxHEIGHTxWIDTH")
+    instead of their default size: a size one backbone's VAE cannot make does not stop a run of the others."""
     if not video:
         return specs
     try:
         frames, height, width = (int(part) for part in video.lower().split("x"))
     except ValueError:
         raise SystemExit(f"--video takes FRAMESxHEIGHTxWIDTH (e.g. 81x480x832), got {video!r}") from None
-    return {name: {**spec, "latent": video_latent(spec["kind"], frames, height, width)} for name, spec in specs.items()}
+    return {name: {**spec, "latent": video_latent(spec["kind"], frames, height, width)}
+            if names is None or name in names else spec for name, spec in specs.items()}
 
 
 def common_parser(description, backbones):
@@ -415,7 +417,7 @@ def run(args):
     path = gs.find_comfyui(args.comfyui)
     version = gs.import_comfy(path, cpu=not cuda)
     started = time.perf_counter()
-    specs = SMOKE if args.smoke else with_video(BACKBONES, args.video)
+    specs = SMOKE if args.smoke else with_video(BACKBONES, args.video, args.only.split(","))
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "dtype": str(dtype), "steps": n, "probe": p,
            "resume": k, "max_density": args.max_density, "gate_overrides": {}, "smoke": args.smoke, "results": {}}

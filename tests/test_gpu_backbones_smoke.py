@@ -63,6 +63,9 @@ def test_a_video_size_gives_each_backbone_the_latent_its_vae_makes():
     sized = gb.with_video(gb.BACKBONES, "257x704x1216")
     assert sized["ltxv-2b"]["latent"] == (1, 128, 33, 22, 38) and sized["wan2.2-a14b"]["latent"] == (1, 16, 65, 88, 152)
     assert gb.with_video(gb.BACKBONES, None) is gb.BACKBONES
+    # 720p is Wan's size but not LTX-Video's (multiples of 32): a run of Wan alone takes it, the others keep theirs
+    wan_only = gb.with_video(gb.BACKBONES, "49x720x1280", ["wan2.2-a14b"])
+    assert wan_only["wan2.2-a14b"]["latent"] == (1, 16, 13, 90, 160) and wan_only["ltxv-2b"] == gb.BACKBONES["ltxv-2b"]
     for bad, message in (("80x480x832", r"1 \+ 4 k frames"), ("81x470x832", "multiples of 16"), ("81x480", "FRAMESx")):
         with pytest.raises(SystemExit, match=message):
             gb.with_video(gb.BACKBONES, bad)
