@@ -90,31 +90,36 @@ def test_frontend_reads_the_workflow_as_meant_and_runs_it(tmp_path):
 
 WORKFLOWS = sorted(name for name in os.listdir(os.path.join(comfy_host.ROOT, "workflows")) if name.endswith(".json"))
 FIXTURE_NODES = os.path.join(comfy_host.ROOT, "tests", "host", "fixture_nodes", "carnator_e2e_fixture")
-LOADERS = {"CLIPLoader", "DualCLIPLoader", "VAELoader", "VAEDecode", "SaveAnimatedWEBP"}   # no tiny files for these
+LOADERS = {"CLIPLoader", "DualCLIPLoader", "VAEDecode", "SaveAnimatedWEBP"}   # no tiny files for these
 TINY_MODELS = {   # the workflow's diffusion models (UNETLoader / CheckpointLoaderSimple nodes by id) -> tiny ones
     "carnator_wan21_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN},
     "carnator_staged_chain_wan21.json": {"1": comfy_host.hostsetup.TINY_WAN},
     "carnator_wan22_a14b_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN22_HIGH, "2": comfy_host.hostsetup.TINY_WAN22_LOW},
     "carnator_hunyuan_video_t2v.json": {"1": comfy_host.hostsetup.TINY_HUNYUAN},
     "carnator_ltxv_t2v.json": {"1": comfy_host.hostsetup.TINY_LTXV},
-}   # Wan 2.2 5B: read by the frontend only (no tiny 48-channel model; its latent node needs the Wan 2.2 VAE)
+    "carnator_wan22_5b_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN22_5B},
+}
 LAYOUTS = {"carnator_hunyuan_video_t2v.json": "hunyuan_video", "carnator_ltxv_t2v.json": "ltxv"}
 
 
 def tiny_prompt(prompt: dict, name: str, cache_dir: str) -> dict:
     """The frontend's API prompt for `name`, runnable here: tiny diffusion models, the test fixture's conditioning
-    instead of text encoders, a small latent and 10 steps (probe 2, switch 5), SaveLatent instead of decoding."""
+    instead of text encoders, a small latent and 10 steps (probe 2, switch 5), SaveLatent instead of decoding.
+    A VAE loader becomes the fixture's placeholder VAE: Wan 2.2's latent node requires one but, with no start
+    image, never uses it (the placeholder fails any use)."""
     out = {}
     for node_id, node in prompt.items():
         kind, inputs = node["class_type"], dict(node["inputs"])
         if kind in LOADERS:
             continue
-        if kind in ("UNETLoader", "CheckpointLoaderSimple"):
+        if kind == "VAELoader":
+            kind, inputs = "E2EPlaceholderVAE", {}
+        elif kind in ("UNETLoader", "CheckpointLoaderSimple"):
             kind, inputs = "UNETLoader", {"unet_name": TINY_MODELS[name][node_id], "weight_dtype": "default"}
         elif kind == "CLIPTextEncode":
             kind, inputs = "E2ETextConditioning", {"text": inputs["text"], "seed": int(node_id),
                                                    "layout": LAYOUTS.get(name, "wan")}
-        elif kind in ("EmptyHunyuanLatentVideo", "EmptyLTXVLatentVideo"):
+        elif kind in ("EmptyHunyuanLatentVideo", "EmptyLTXVLatentVideo", "Wan22ImageToVideoLatent"):
             inputs.update(width=64, height=64, length=9)
         elif kind == "CarnatorCache":
             inputs["cache_dir"] = cache_dir

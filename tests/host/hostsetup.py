@@ -17,6 +17,7 @@ DEFAULT_COMFYUI = "/opt/ComfyUI"
 PLUGIN_DIR_NAME = "comfyui-carnator"
 TINY_WAN = "carnator_test_tiny_wan21_t2v.safetensors"
 TINY_WAN22_HIGH, TINY_WAN22_LOW = "carnator_test_wan22_high.safetensors", "carnator_test_wan22_low.safetensors"
+TINY_WAN22_5B = "carnator_test_wan22_5b.safetensors"
 
 _host: dict = {}
 
@@ -80,9 +81,10 @@ def import_host(path: str):
     return nodes
 
 
-def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: int = 2) -> str:
+def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: int = 2, channels: int = 16) -> str:
     """A dim-256 Wan 2.1 T2V model (2 blocks unless told) with random weights, saved where UNETLoader finds it
-    (Wan 2.2 A14B's experts are this class too: two of them, other seeds, are a tiny two-expert pair)."""
+    (Wan 2.2 A14B's experts are this class too: two of them, other seeds, are a tiny two-expert pair). With
+    48 latent channels in and out, ComfyUI's model detection loads it as Wan 2.2 TI2V 5B (WAN22_T2V)."""
     import safetensors.torch
     import torch
     import comfy.ops
@@ -92,8 +94,8 @@ def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: 
     path = os.path.join(directory, name)
     if not os.path.exists(path):
         generator = torch.Generator().manual_seed(seed)
-        model = WanModel(model_type="t2v", patch_size=(1, 2, 2), in_dim=16, dim=256, ffn_dim=512, freq_dim=256,
-                         text_dim=4096, out_dim=16, num_heads=2, num_layers=layers,
+        model = WanModel(model_type="t2v", patch_size=(1, 2, 2), in_dim=channels, dim=256, ffn_dim=512,
+                         freq_dim=256, text_dim=4096, out_dim=channels, num_heads=2, num_layers=layers,
                          operations=comfy.ops.disable_weight_init)
         with torch.no_grad():
             for key, parameter in model.named_parameters():

@@ -1,6 +1,6 @@
 """Saves the host tests' tiny random Wan2.1 T2V model (hostsetup.build_tiny_wan, ComfyUI's own WanModel)
 into a folder, for a ComfyUI server started in another process (tests/comfy_host.py); with --all also a
-two-expert Wan pair, a HunyuanVideo and an LTX-Video model (the workflow runs).
+two-expert Wan pair, a 48-channel Wan 2.2 TI2V 5B, a HunyuanVideo and an LTX-Video model (the workflow runs).
 
 Run with ComfyUI's python from the ComfyUI root: python make_tiny_wan.py DIRECTORY [--all]; prints the file
 path (the Wan model's last).
@@ -23,6 +23,7 @@ import hostsetup  # noqa: E402
 if every:
     for name in (hostsetup.build_tiny_wan(directory, seed=11, name=hostsetup.TINY_WAN22_HIGH),
                  hostsetup.build_tiny_wan(directory, seed=12, name=hostsetup.TINY_WAN22_LOW),
+                 hostsetup.build_tiny_wan(directory, seed=13, name=hostsetup.TINY_WAN22_5B, channels=48),
                  hostsetup.build_tiny_hunyuan(directory), hostsetup.build_tiny_ltxv(directory)):
         print(os.path.join(directory, name))
 print(os.path.join(directory, hostsetup.build_tiny_wan(directory)))

@@ -1,10 +1,14 @@
-"""Test-only custom node for the host tests (never installed by users): text -> CONDITIONING without a text encoder.
+"""Test-only custom nodes for the host tests (never installed by users): text -> CONDITIONING without a text
+encoder, and a placeholder VAE.
 
-Real text encoders are not available to the tests, so this node turns its `text` into a deterministic random
-context shaped as the `layout`'s encoder gives it: Wan's umt5 [1, 512, 4096]; HunyuanVideo's llama states
+Real text encoders are not available to the tests, so E2ETextConditioning turns its `text` into a deterministic
+random context shaped as the `layout`'s encoder gives it: Wan's umt5 [1, 512, 4096]; HunyuanVideo's llama states
 [1, 32, 4096] with a CLIP-L pooled [1, 768]; LTX-Video's T5 states [1, 128, 4096] with their attention mask.
 Carnator's nodes read the prompt label from the `text` input of the node feeding `positive`, as they do with
 CLIPTextEncode.
+
+Nor is a real VAE: E2EPlaceholderVAE feeds nodes that require a VAE input but leave it unused (Wan 2.2's
+Wan22ImageToVideoLatent without a start image); anything that does use it fails at once.
 """
 import hashlib
 
@@ -31,5 +35,27 @@ class E2ETextConditioning:
         return ([[torch.randn(1, tokens, 4096, generator=generator), options]],)
 
 
-NODE_CLASS_MAPPINGS = {"E2ETextConditioning": E2ETextConditioning}
-NODE_DISPLAY_NAME_MAPPINGS = {"E2ETextConditioning": "E2E Text Conditioning (test fixture)"}
+class _WeightlessVAE:
+    """Every attribute read fails: a test that reaches for this VAE's encoder or decoder must fail, not pass on
+    made-up pixels. AttributeError, so that probes such as hasattr or copy's dunder lookups see an empty object."""
+
+    def __getattr__(self, name):
+        raise AttributeError(f"E2EPlaceholderVAE has no weights: '{name}' was read, so this test needs a real VAE")
+
+
+class E2EPlaceholderVAE:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "load"
+    CATEGORY = "testing"
+
+    def load(self):
+        return (_WeightlessVAE(),)
+
+
+NODE_CLASS_MAPPINGS = {"E2ETextConditioning": E2ETextConditioning, "E2EPlaceholderVAE": E2EPlaceholderVAE}
+NODE_DISPLAY_NAME_MAPPINGS = {"E2ETextConditioning": "E2E Text Conditioning (test fixture)",
+                              "E2EPlaceholderVAE": "E2E Placeholder VAE (test fixture)"}
