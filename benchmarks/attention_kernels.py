@@ -1,4 +1,4 @@
-"""Kernel benchmark: dense SDPA vs flex block-sparse attention (carnator_engine.sparse_attention).
+"""Kernel benchmark: dense SDPA vs flex block-sparse attention (carnator_engine.attention.sparse).
 
 Default size is Wan2.1-1.3B self-attention at 480p, 81 frames: B=1, 12 heads, D=128,
 L = 21 x 30 x 52 = 32760 tokens, bf16, block 128.
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from carnator_engine import sparse_attention as sa  # noqa: E402
+from carnator_engine.attention import sparse as sa  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "out" / "attention_kernels.json"
 

@@ -62,7 +62,7 @@ try:
     res["fa4_dense_ms"] = timeit(lambda: fa.flash_attn_func(qf, kf, vf))
     print(res, flush=True)
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    from carnator_engine import sparse_attention as sa
+    from carnator_engine.attention import sparse as sa
     for d in (0.1, 0.2, 0.3, 0.5, 1.0):
         c = conn_random(d) if d < 1 else torch.ones(nb, nb, dtype=torch.bool)
         plan = sa.BlockSparseAttention({0: c}, block_size=bs, backend="fa4")   # what a hit runs, per block

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import gpu_backbones as gb  # noqa: E402
-import gpu_speed as gs  # noqa: E402
+import gpu_host as gs  # noqa: E402
 import reports  # noqa: E402
 
 WAN_1_3B = dict(kind="wan", experts=1, **{key: gs.PRESETS["real"][key] for key in ("dim", "layers", "ffn", "latent",

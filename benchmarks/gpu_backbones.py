@@ -2,7 +2,7 @@
 """Plain vs Carnator miss vs hit at the real architecture sizes of the other backbones, through the ComfyUI adapter.
 
 Random weights in bf16, ComfyUI 0.3.64's own model classes inside their model_base classes and a ModelPatcher
-(built as benchmarks/gpu_speed.py builds Wan 1.3B, whose helpers this script imports), euler / simple / cfg 1,
+(Wan 1.3B built as benchmarks/gpu_host.py builds it), euler / simple / cfg 1,
 N = 20 steps, probe p = 2 (p/N = 0.1), resume k = 10 (k/N = 0.5), attention blocks of 128 tokens, the miss
 recording its connectivity under a 0.3 density budget. The gate runs with its defaults (no overrides); when its own
 resume step differs from k the hit is forced to k and the JSON says so, as in gpu_speed.py.
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-import gpu_speed as gs  # noqa: E402
+import gpu_host as gs  # noqa: E402
 import reports  # noqa: E402
 
 TEXT_DIM = 4096
@@ -117,7 +117,7 @@ def parse_args(argv=None):
 # ---- models ------------------------------------------------------------------------------------
 
 def _randomize(module, seed, device):
-    """Norm scales 1, norm biases 0, everything else N(0, 0.02), as gpu_speed.build_model does for Wan."""
+    """Norm scales 1, norm biases 0, everything else N(0, 0.02), as gpu_host.build_model does for Wan."""
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
@@ -215,7 +215,7 @@ def masked_sdpa(func, *args, **kwargs):
 # ---- measurements ------------------------------------------------------------------------------
 
 def noop_self_attention(func, *args, **kwargs):
-    """gpu_speed.noop_self_attention for both q/k/v layouts: split heads [B, H, L, D] (HunyuanVideo's joint
+    """gpu_host.noop_self_attention for both q/k/v layouts: split heads [B, H, L, D] (HunyuanVideo's joint
     attention) and merged [B, L, H*D]; any attention whose queries and keys have one length is skipped."""
     q, k = args[0], args[1]
     if kwargs.get("skip_reshape", False) and q.dim() == 4 and q.shape[2] == k.shape[2]:
@@ -263,7 +263,7 @@ def refused(runner, store, config, noise, sigmas):
 def measure(name, spec, args, device, dtype, log):
     from carnator_engine.hosts.comfyui import ComfyRunner
     from carnator_engine.observer import GenerationObserver
-    from carnator_engine.connectivity import plan_from_tensors
+    from carnator_engine.attention.connectivity import plan_from_tensors
     from carnator_engine.pipeline import CarnatorConfig, generate
     from carnator_engine.store import CarnatorStore
     n, p, k = args.steps, args.probe, args.resume

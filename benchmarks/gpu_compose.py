@@ -15,7 +15,7 @@ and miss interleaved in alternating order:
   hit+easycache         its hit: steps k..N under EasyCache
   cfg5 plain / easycache / miss / hit   the same with cfg 5 (cond + uncond)
 Relative L2 differences are against plain (and, for miss+easycache, against easycache alone). The gate runs with
-its defaults (no overrides); a hit it accepts at another checkpoint than k is forced to k (gpu_speed.carnator_hit).
+its defaults (no overrides); a hit it accepts at another checkpoint than k is forced to k (gpu_host.carnator_hit).
 Warm-ups first, out of every timed span: 2 dense steps, then a short Carnator miss and 2 sparse steps with its
 connectivity at this shape (the block-sparse kernel's compile).
 Goals (issue 15): hit+easycache >= 3.5x plain and >= 1.6x easycache; miss+easycache within 2 % of easycache;
@@ -40,7 +40,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import reports  # noqa: E402
-from gpu_speed import (PRESETS, PROMPT, TEXT_DIM, build_model, carnator_hit, elapsed_logger,  # noqa: E402
+from gpu_host import (PRESETS, PROMPT, TEXT_DIM, build_model, carnator_hit, elapsed_logger,  # noqa: E402
                        find_comfyui, host_arguments, import_comfy, median, plain_sample, rel_diff, timed)
 
 
@@ -86,7 +86,7 @@ def run(args):
     dtype = torch.bfloat16 if cuda else torch.float32
     comfy_path = find_comfyui(args.comfyui)
     version = import_comfy(comfy_path, cpu=not cuda)
-    from carnator_engine.connectivity import plan_from_tensors
+    from carnator_engine.attention.connectivity import plan_from_tensors
     from carnator_engine.hosts.comfyui import ComfyRunner
     from carnator_engine.observer import GenerationObserver
     from carnator_engine.pipeline import CarnatorConfig, generate

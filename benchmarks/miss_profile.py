@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import reports  # noqa: E402
-from gpu_speed import (PRESETS, PROMPT, TEXT_DIM, build_model, elapsed_logger, find_comfyui,  # noqa: E402
+from gpu_host import (PRESETS, PROMPT, TEXT_DIM, build_model, elapsed_logger, find_comfyui,  # noqa: E402
                        host_arguments, import_comfy, median, plain_sample, timed)
 
 RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from carnator_engine.index import nearest  # noqa: E402
+from carnator_engine.store.index import nearest  # noqa: E402
 from carnator_engine.signature import EarlySignature  # noqa: E402
 from carnator_engine.store import CarnatorStore, TrajectoryPayload  # noqa: E402
 
@@ -93,9 +93,9 @@ def fill(location: str, signatures: Signatures, start: int, stop: int, batch: in
     blobs encoded as CarnatorStore.put encodes them (vectors in one batched projection), then written in one
     transaction (disk: one SQLite transaction, blob files without fsync; Redis: one pipeline). Only the fill
     takes this path; every measured put below goes through CarnatorStore.put."""
-    from carnator_engine.backends.disk import DiskBackend
+    from carnator_engine.store.backends.disk import DiskBackend
     from carnator_engine.store import EntryRecord, _encode, _sha256
-    from carnator_engine.vectors import compact_vectors
+    from carnator_engine.store.vectors import compact_vectors
     from safetensors.torch import save
     store = CarnatorStore(location, 1 << 50)
     backend = store._backend

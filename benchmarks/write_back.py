@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""What the background write-back (carnator_engine/write_back.py) takes off a miss, on gpu_speed's model.
+"""What the background write-back (carnator_engine/store/write_back.py) takes off a miss, on gpu_speed's model.
 
-ComfyUI's WanModel (gpu_speed.build_model, random weights) through ComfyRunner, `--repeats` times, interleaved:
+ComfyUI's WanModel (gpu_host.build_model, random weights) through ComfyRunner, `--repeats` times, interleaved:
   plain     ComfyUI sampling alone (the baseline)
   returned  a Carnator miss on an empty store, timed until generate() returns: what a request waits for now
   written   the same call, timed on until its entry is written (result.entry_id waits): what it waited for when
@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import reports  # noqa: E402
-from gpu_speed import (PRESETS, PROMPT, TEXT_DIM, build_model, find_comfyui, import_comfy, median,  # noqa: E402
+from gpu_host import (PRESETS, PROMPT, TEXT_DIM, build_model, find_comfyui, import_comfy, median,  # noqa: E402
                        plain_sample, timed)
 
 CPU_PRESET = dict(PRESETS["smoke"], dim=128, layers=2, ffn=256, latent=(1, 16, 8, 32, 32), steps=10, probe=2)

@@ -117,7 +117,7 @@ def run_demo(args) -> int:
 
 def _existing_store(path: str, size_limit_mb: int):
     """The cache at `path`, or None (after saying so) when there is none: nothing is created."""
-    from .backends import holds_store
+    from .store.backends import holds_store
     if not holds_store(path):
         print(f"no Carnator cache at {path} (nothing created): pass --cache the folder of an existing cache",
               file=sys.stderr)

@@ -1,4 +1,4 @@
-"""One request through Carnator: probe -> lookup -> gate -> resume (or continue) -> write-back (queued: write_back.py).
+"""One request through Carnator: probe -> lookup -> gate -> resume (or continue) -> write-back (queued: store/write_back.py).
 
 The four stages are separate functions so ComfyUI can expose each as a node; `generate` chains
 them, after `replay`: a request whose every input matches an earlier full generation gets that
@@ -25,16 +25,16 @@ from typing import Optional
 import torch
 
 from . import gate as gate_module
-from .connectivity import ConnectivityRecorder, plan_from_tensors
-from .index import Candidate, bucket_difference, bucket_key, bucket_parts, nearest
+from .attention.connectivity import ConnectivityRecorder, plan_from_tensors
+from .store.index import Candidate, bucket_difference, bucket_key, bucket_parts, nearest
 from .localize import latent_mask
 from .observer import CheckpointRecorder, GenerationObserver
 from .preview import thumbnail_png
 from .resume import resume_latent
 from .signature import EarlySignature, SignatureRecorder
 from .store import CarnatorStore, StoreError, TrajectoryPayload, new_entry_id
-from .vectors import warm_denoised_projection
-from .write_back import PendingWrite
+from .store.vectors import warm_denoised_projection
+from .store.write_back import PendingWrite
 
 log = logging.getLogger("carnator")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .sparse_attention import pooled_block_attention
+from .attention.sparse import pooled_block_attention
 
 HIDDEN_FEATURES = 64
 ATTENTION_GRID = 16

@@ -23,7 +23,7 @@ import re
 import sys
 from typing import Optional
 
-from carnator_engine.backends import holds_store, is_redis_url
+from carnator_engine.store.backends import holds_store, is_redis_url
 from carnator_engine.plain import json_safe
 from carnator_engine.store import CarnatorStore, StoreError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 
-from carnator_engine.backends import is_redis_url
+from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore
 
 DEFAULT_SIZE_LIMIT_GB = DEFAULT_SIZE_LIMIT / (1 << 30)   # the Carnator Cache node's default, in GiB

@@ -3,7 +3,7 @@ that need a write still pending at an exact moment, with no timing (the `held_wr
 import threading
 
 from carnator_engine.store import CarnatorStore
-from carnator_engine.write_back import BackgroundWriter
+from carnator_engine.store.write_back import BackgroundWriter
 
 GUARD = 60.0   # seconds: ends a test whose event never came; a passing test never reaches it
 

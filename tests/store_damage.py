@@ -4,7 +4,7 @@ Works for both backends: the disk backend's SQLite keys and blob files, the Redi
 import json
 import os
 
-from carnator_engine.backends.disk import DiskBackend
+from carnator_engine.store.backends.disk import DiskBackend
 
 
 def _disk_key(kind, entry_id):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from carnator_engine.gate import RISK_POLICIES, decide, policy_for
-from carnator_engine.index import Candidate
+from carnator_engine.store.index import Candidate
 from carnator_engine.signature import EarlySignature, signature_distance
 from carnator_engine.store import EntryRecord
 

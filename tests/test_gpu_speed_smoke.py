@@ -22,10 +22,10 @@ TIME_LIMIT_S = 300
 
 def _comfyui():
     """Where the script itself would find ComfyUI (its own lookup, so the two never disagree)."""
-    spec = importlib.util.spec_from_file_location("gpu_speed", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.comfyui_checkout()
+    spec = importlib.util.spec_from_file_location("gpu_host", os.path.join(ROOT, "benchmarks", "gpu_host.py"))
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+    return host.comfyui_checkout()
 
 
 def _skip_reason():

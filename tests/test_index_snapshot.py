@@ -1,4 +1,4 @@
-"""The index snapshot (carnator_engine/index_snapshot.py), on both backends: an open loads it and replays what any
+"""The index snapshot (carnator_engine/store/index_snapshot.py), on both backends: an open loads it and replays what any
 process logged since; a snapshot that is damaged, torn, of another version, of another store or behind the log is
 never used (the index is rebuilt from the entries instead)."""
 import logging
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from carnator_engine import index_snapshot
-from carnator_engine import store as store_module
+from carnator_engine.store import index_snapshot
+from carnator_engine.store import store as store_module
 from carnator_engine.store import CarnatorStore
 from test_store import _put, _signature, location  # noqa: F401 - location is a fixture
 
@@ -121,7 +121,7 @@ def test_a_snapshot_of_another_store_is_not_used(location, tmp_path):
 
 
 def test_a_snapshot_the_log_no_longer_reaches_is_not_used(tmp_path, monkeypatch):
-    from carnator_engine.backends import disk
+    from carnator_engine.store.backends import disk
     monkeypatch.setattr(disk, "LOG_KEEP", 2)
     directory = str(tmp_path / "c")
     first = CarnatorStore(directory, 64 << 20)

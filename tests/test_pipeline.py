@@ -248,7 +248,7 @@ def test_a_full_disk_returns_the_result_and_warns_on_the_next_request(tiny_model
     """The write runs after the result is out (write_back): its failure is the next request's warning."""
     import errno
 
-    from carnator_engine.backends.disk import DiskBackend
+    from carnator_engine.store.backends.disk import DiskBackend
 
     def full_disk(self, entry_id, blob):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -1,4 +1,4 @@
-"""Tests of carnator_engine.sparse_attention (CPU; the flex parts skip without CUDA)."""
+"""Tests of carnator_engine.attention.sparse (CPU; the flex parts skip without CUDA)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from carnator_engine import sparse_attention as sa  # noqa: E402
-from carnator_engine.sparse_attention import (  # noqa: E402
+from carnator_engine.attention import sparse as sa  # noqa: E402
+from carnator_engine.attention.sparse import (  # noqa: E402
     BlockSparseAttention,
     block_sparse_attention,
     densify,
@@ -125,7 +125,7 @@ def test_pooled_reads_a_strided_low_precision_view_like_its_float_copy():
 def test_connectivity_recorder_reads_no_value_back_mid_step(monkeypatch):
     # a Python bool or float of a tensor is a device synchronisation on a GPU: one per block would stall the miss's
     # recorded step (measured at 480p x 81 frames: benchmarks/miss_profile.py)
-    from carnator_engine.connectivity import ConnectivityRecorder
+    from carnator_engine.attention.connectivity import ConnectivityRecorder
     q, k, _ = qkv(B=1, H=2, L=64, D=8, seed=5)
     recorder = ConnectivityRecorder(record_step=1, block_size=16, mass=0.9, max_density=0.5)
     reads = []

@@ -174,7 +174,7 @@ def test_non_finite_values_are_refused_before_anything_is_stored(location):
 
 
 def test_a_non_finite_lookup_signature_finds_nothing_and_says_why(store):
-    from carnator_engine.index import nearest
+    from carnator_engine.store.index import nearest
     _put(store, 0)
     broken = _signature(0)
     broken.hidden[0, 0, 0] = float("nan")
@@ -185,7 +185,7 @@ def test_a_non_finite_lookup_signature_finds_nothing_and_says_why(store):
 def test_the_index_shortlist_finds_the_nearest_among_many(tmp_path):
     store = CarnatorStore(str(tmp_path / "c"), 256 << 20)
     ids = [_put(store, seed, checkpoint_elems=10) for seed in range(300)]
-    from carnator_engine.index import nearest
+    from carnator_engine.store.index import nearest
     for seed in (3, 150, 299):
         query = _signature(seed)
         query.denoised += 0.01 * torch.randn(query.denoised.shape, generator=torch.Generator().manual_seed(9))
@@ -198,7 +198,7 @@ def test_lineage_keeps_a_full_generation_among_the_candidates_of_its_hits(store)
     """The crowding sequence of issue 16: a full generation F, then three hits made from it whose signatures lie
     nearer the next request than F's; each hit keeps only the checkpoints after its resume step (4), so a gate that
     sees only the three of them finds "no checkpoint between step 4 and step 4" and misses."""
-    from carnator_engine.index import nearest
+    from carnator_engine.store.index import nearest
     base = _signature(0)
 
     def put(signature, checkpoints, reused_from=None):
@@ -227,7 +227,7 @@ def test_lineage_keeps_a_full_generation_among_the_candidates_of_its_hits(store)
 CRASH = """
 import os, sys
 sys.path.insert(0, {root!r})
-from carnator_engine.backends import disk
+from carnator_engine.store.backends import disk
 from carnator_engine.store import CarnatorStore
 store = CarnatorStore({directory!r}, 64 << 20)
 real_remove, real_transact = os.remove, store._backend._cache.transact

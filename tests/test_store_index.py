@@ -7,9 +7,9 @@ import os
 import numpy as np
 import torch
 
-from carnator_engine.index import bucket_difference, bucket_parts, nearest
+from carnator_engine.store.index import bucket_difference, bucket_parts, nearest
 from carnator_engine.store import CarnatorStore
-from carnator_engine.vectors import VECTOR_DIM, BucketMatrix
+from carnator_engine.store.vectors import VECTOR_DIM, BucketMatrix
 from test_store import _age_blobs, _put, _signature, location  # noqa: F401 - location is a fixture
 
 
@@ -83,7 +83,7 @@ def test_a_miss_for_want_of_a_bucket_is_explained_from_memory(store, monkeypatch
 
 
 def test_an_open_reads_no_entry_to_find_orphan_blobs(tmp_path, monkeypatch):
-    from carnator_engine.backends.disk import DiskBackend
+    from carnator_engine.store.backends.disk import DiskBackend
     directory = str(tmp_path / "c")
     store = CarnatorStore(directory, 64 << 20)
     kept = [_put(store, seed) for seed in range(3)]
@@ -106,7 +106,7 @@ def test_the_probe_draws_the_lookups_projection_in_the_background_and_the_lookup
         tiny_model, monkeypatch):
     """A process's first lookup for a latent shape drew its projection itself (0.36 s of an LTX-Video miss on the
     H200); the probe now starts that draw, sized from the latent, and the lookup reuses it (one draw, same bits)."""
-    from carnator_engine import vectors
+    from carnator_engine.store import vectors
     from carnator_engine.euler import TinyDiTRunner
     from carnator_engine.pipeline import CarnatorConfig, probe
     from carnator_engine.schedule import flow_sigmas

@@ -1,4 +1,4 @@
-"""The write-back in the background (carnator_engine/write_back.py): a request has its result before its entry is
+"""The write-back in the background (carnator_engine/store/write_back.py): a request has its result before its entry is
 written; this process's later reads see what it queued, another process sees an entry whole or not at all; a failed
 write is the next request's warning and leaves the committed entries as they were; the queue is bounded, written
 out by close() and at exit, and the size limit still holds.
@@ -15,9 +15,9 @@ import threading
 import pytest
 import torch
 
-from carnator_engine.backends.disk import DiskBackend
+from carnator_engine.store.backends.disk import DiskBackend
 from carnator_engine.store import CarnatorStore
-from carnator_engine.write_back import BackgroundWriter
+from carnator_engine.store.write_back import BackgroundWriter
 from held_writes import GUARD
 from test_pipeline import _run, _through_the_gate
 

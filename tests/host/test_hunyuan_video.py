@@ -67,7 +67,7 @@ def test_runner_reproduces_ksampler_with_joint_attention(comfy, plugin, hunyuan,
 
 def test_joint_sparse_attention_keeps_text_rows_and_columns_dense():
     from carnator_engine.observer import GenerationObserver
-    from carnator_engine.sparse_attention import BlockSparseAttention, expand_token_mask, with_dense_tail
+    from carnator_engine.attention.sparse import BlockSparseAttention, expand_token_mask, with_dense_tail
     generator = torch.Generator().manual_seed(0)
     video, text, block = 96, 40, 32
     q, k, v = (torch.randn(1, 2, video + text, 16, generator=generator) for _ in range(3))

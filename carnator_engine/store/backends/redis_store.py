@@ -19,7 +19,7 @@ import os
 import urllib.parse
 import uuid
 
-from ..store import StoreError
+from ..errors import StoreError
 
 PASSWORD_VARIABLE = "CARNATOR_REDIS_PASSWORD"
 PREFIX = "carnator:"

@@ -19,7 +19,7 @@ import uuid
 
 import diskcache
 
-from ..store import StoreError
+from ..errors import StoreError
 
 LOG_KEEP = 100_000          # change-log records kept; a reader further behind rebuilds its index
 ORPHAN_GRACE_SECONDS = 600  # a blob without metadata younger than this may be another process's write in flight

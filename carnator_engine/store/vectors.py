@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .signature import EarlySignature
+from ..signature import EarlySignature
 
 DENOISED_DIM = 192
 HIDDEN_DIM = 64

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .signature import EarlySignature, SignatureDistance, shortlist_scores, signature_distance
-from .schedule import schedule_fingerprint
+from ..signature import EarlySignature, SignatureDistance, shortlist_scores, signature_distance
+from ..schedule import schedule_fingerprint
 from .store import CarnatorStore, EntryRecord, StoreError
 
 SHORTLIST = 32   # entries whose exact distance is computed per lookup (see benchmarks/store_scale.py)

@@ -36,9 +36,10 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from . import index_snapshot
+from .errors import CorruptEntryError, StoreError
 from .memory_index import IndexedEntry, MemoryIndex
-from .plain import json_safe
-from .signature import EarlySignature
+from ..plain import json_safe
+from ..signature import EarlySignature
 from .vectors import VECTOR_DIM, BucketMatrix, compact_vector
 from .write_back import BackgroundWriter
 
@@ -51,14 +52,6 @@ SIGNATURE_CACHE = 256   # parsed signatures kept in memory (entries never change
 # Changes taken in from the log before the index is snapshotted again: an open replays at most this many
 # (~0.3 ms each), and a snapshot of 100k entries costs well under a second to write.
 SNAPSHOT_EVERY = 2000
-
-
-class StoreError(RuntimeError):
-    pass
-
-
-class CorruptEntryError(StoreError):
-    pass
 
 
 def _check_size_limit(size_limit_bytes) -> None:

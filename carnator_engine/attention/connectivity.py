@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .sparse_attention import (BlockSparseAttention, pooled_block_attention, select_connectivity,
+from .sparse import (BlockSparseAttention, pooled_block_attention, select_connectivity,
                                token_blocks_from_mask)
 
 BLOCK_SIZE_KEY = "block_size"

@@ -13,7 +13,7 @@ connectivity:
   (:func:`block_sparse_attention`), and
 * keep one table per transformer block with explicit state
   (:class:`BlockSparseAttention`; stored as boolean tables by
-  :mod:`carnator_engine.connectivity`).
+  :mod:`carnator_engine.attention.connectivity`).
 
 Conventions
 -----------
@@ -53,7 +53,7 @@ Backends of :func:`block_sparse_attention`
   block's BlockMask, since its table is fixed across steps (building one costs
   ~2 ms of host time on an H200 for a 256x256 table, comparable to the kernel).
 * ``"fa4"`` (CUDA, Hopper or newer, optional ``flash-attn-4`` package): FlashAttention-4's block-sparse
-  kernel (:mod:`carnator_engine.fa4_attention`), every allowed block a full block; ``block_size`` a
+  kernel (:mod:`carnator_engine.attention.fa4`), every allowed block a full block; ``block_size`` a
   multiple of 128, bf16/fp16, head size <= 128.  On an H200 it runs a 0.3-density table in 0.27 of dense
   cuDNN's time where flex needs 0.40.
 * ``"auto"`` (default): fa4 where it runs, else flex on CUDA when it is importable and compiles, else sdpa
@@ -71,7 +71,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import fa4_attention
+from . import fa4 as fa4_attention
 
 try:  # flex_attention exists from torch 2.5; keep the module importable without it
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
