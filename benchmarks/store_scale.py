@@ -94,7 +94,7 @@ def fill(location: str, signatures: Signatures, start: int, stop: int, batch: in
     transaction (disk: one SQLite transaction, blob files without fsync; Redis: one pipeline). Only the fill
     takes this path; every measured put below goes through CarnatorStore.put."""
     from carnator_engine.store.backends.disk import DiskBackend
-    from carnator_engine.store import EntryRecord, _encode, _sha256
+    from carnator_engine.store.store import EntryRecord, _encode, _sha256
     from carnator_engine.store.vectors import compact_vectors
     from safetensors.torch import save
     store = CarnatorStore(location, 1 << 50)

@@ -21,7 +21,7 @@ from comfy_api.latest import ComfyExtension, io, ui
 
 from carnator_engine import pipeline
 from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, SWITCHES, Decision
-from carnator_engine.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
+from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
 from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, fail,
                      make_config, model_label, progress_callback, prompt_text, send_decision, summary_text, to_json)
