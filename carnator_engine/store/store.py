@@ -218,12 +218,14 @@ class CarnatorStore:
         with self._lock:
             self._cursor = self._backend.cursor()  # before reading: changes made meanwhile are replayed later
             self._signatures.clear()
-            entries, rows, parts = {}, {}, {}
+            entries, rows, parts, unreadable = {}, {}, {}, []
             for entry_id, data in self._backend.metas():
+                if data is None:
+                    continue       # deleted or evicted (by another worker) since the listing began: gone, not corrupt
                 try:
                     record, vector = _decode(data)
                 except ValueError as why:
-                    self._unreadable(entry_id, str(why))
+                    unreadable.append((entry_id, str(why)))
                     continue
                 indexed = entries[entry_id] = _indexed(record)
                 if not indexed.corrupt:
@@ -236,6 +238,8 @@ class CarnatorStore:
             matrices = {bucket: BucketMatrix(ids, np.frombuffer(vectors, np.float16).reshape(len(ids), VECTOR_DIM))
                         for bucket, (ids, vectors) in rows.items()}
             self._index = MemoryIndex.assembled(entries, matrices, parts)
+            for entry_id, why in unreadable:   # once the index exists: removing an entry updates it
+                self._unreadable(entry_id, why)
             self._save_snapshot()
 
     def _save_snapshot(self) -> None:
@@ -331,6 +335,9 @@ class CarnatorStore:
             entry_id: Optional[str] = None) -> str:
         """Stores one entry and returns its id: `entry_id` (new_entry_id(), chosen before a background write so the
         request can name its entry at once) or a new one."""
+        if not isinstance(signature, EarlySignature):
+            raise StoreError(f"signature is a {type(signature).__name__}, not an Early Signature: pass the probe's "
+                             "signature (ProbeResult.signature)")
         try:
             vector = compact_vector(signature)
         except ValueError as error:
@@ -431,6 +438,8 @@ class CarnatorStore:
         """Every entry's record, oldest first: the cache browser's listing (lookups use the index instead)."""
         found = []
         for entry_id, data in self._backend.metas():
+            if data is None:
+                continue           # deleted or evicted (by another worker) since the listing began: gone, not corrupt
             try:
                 record, _ = _decode(data)
             except ValueError as why:

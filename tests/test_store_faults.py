@@ -1,0 +1,46 @@
+"""Store faults: every one leaves the store usable, and none reports a healthy entry as corrupt."""
+import pytest
+import torch
+
+from carnator_engine.store import CarnatorStore, StoreError
+from store_damage import set_raw
+from test_store import _put, _signature, location  # noqa: F401 - location is the both-backends fixture
+
+
+def _drop_snapshot(store):
+    backend = store._backend
+    if hasattr(backend, "_client"):
+        backend._client.delete("carnator:snapshot")
+    else:
+        import os
+        os.remove(os.path.join(backend.location, "index.snapshot"))
+
+
+def test_a_rebuild_over_unparsable_metadata_opens_the_store(location):
+    store = CarnatorStore(location, 64 << 20)
+    good, bad = _put(store, 0), _put(store, 1)
+    store.close()
+    set_raw(store, bad, "meta", b"{not json")
+    _drop_snapshot(store)                              # the index must be rebuilt from every entry's metadata
+    reopened = CarnatorStore(location, 64 << 20)
+    assert reopened.shortlist("b", _signature(0), 3) == [good]
+    assert any(bad in p and "metadata does not parse" in p for p in reopened.drain_problems())
+    assert [r.entry_id for r in reopened.records(include_corrupt=True)] == [good]
+    reopened.close()
+
+
+def test_an_entry_evicted_while_listing_is_gone_not_corrupt(redis_server):
+    store, other = CarnatorStore(redis_server.url, 64 << 20), CarnatorStore(redis_server.url, 64 << 20)
+    kept, evicted = _put(store, 0), _put(store, 1)
+    client = store._backend._client
+    members = client.smembers
+
+    def listed_then_evicted(key):                       # another worker evicts between the listing and the reads
+        ids = members(key)
+        other.delete(evicted)
+        return ids
+    client.smembers = listed_then_evicted
+    assert [r.entry_id for r in store.records()] == [kept]
+    store.clear()                                       # a rebuild that meets the same race
+    assert store.drain_problems() == []
+    store.close(), other.close()
