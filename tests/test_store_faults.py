@@ -44,3 +44,22 @@ def test_an_entry_evicted_while_listing_is_gone_not_corrupt(redis_server):
     store.clear()                                       # a rebuild that meets the same race
     assert store.drain_problems() == []
     store.close(), other.close()
+
+
+def test_redis_over_maxmemory_still_deletes_evicts_and_clears_and_says_why(redis_server):
+    from nodes.routes import delete_entry
+    store = CarnatorStore(redis_server.url, 64 << 20)
+    entries = [_put(store, seed, checkpoint_elems=100_000) for seed in range(6)]   # ~0.4 MB each
+    client = store._backend._client
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", str(client.info("memory")["used_memory"] // 2))
+    with pytest.raises(StoreError, match="out of memory.*lower the size limit or raise Redis' maxmemory"):
+        _put(store, 9)
+    assert store.delete(entries[0])                                  # the store frees space itself
+    assert delete_entry(store, entries[1]) == {"deleted": entries[1]}  # and the cache browser's DELETE
+    assert store.set_size_limit(1 << 20) and len(store.records()) < 4  # eviction
+    client.config_set("maxmemory", "1")                               # still over the limit: clear works
+    assert store.clear() >= 1 and store.records() == []
+    assert CarnatorStore(redis_server.url, 64 << 20).stats()["entries"] == 0
+    client.config_set("maxmemory", "0")
+    store.close()

@@ -63,8 +63,11 @@ class RedisBackend:
             raise StoreError(self._scrub(f"Carnator cache URL {self.location!r} is not valid ({error}): write it "
                                          "as redis://[:password@]host:port/db or rediss:// for TLS")) from None
         self._guard("connect", self._client.ping)
-        self._guard("connect", lambda: self._client.set(PREFIX + "store", uuid.uuid4().hex, nx=True))
-        self.identity = self._guard("connect", lambda: self._client.get(PREFIX + "store")).decode()
+        identity = self._guard("connect", lambda: self._client.get(PREFIX + "store"))
+        if identity is None:   # a new store (a write only then: an existing one opens over maxmemory too)
+            self._guard("connect", lambda: self._client.set(PREFIX + "store", uuid.uuid4().hex, nx=True))
+            identity = self._guard("connect", lambda: self._client.get(PREFIX + "store"))
+        self.identity = identity.decode()
 
     # ---- errors ----------------------------------------------------------------------------------
 
@@ -90,7 +93,7 @@ class RedisBackend:
                            f"(redis://:PASSWORD@host:port/db) or in {PASSWORD_VARIABLE}")
             elif "without any password configured" in text:
                 message = f"a password was given but the server has none ({text}): remove it from the URL"
-            elif "OOM" in text:
+            elif isinstance(error, errors.OutOfMemoryError) or "OOM" in text or "maxmemory" in text:
                 message = f"the server is out of memory ({text}): lower the size limit or raise Redis' maxmemory"
             else:
                 message = f"the server refused ({text})"
@@ -106,6 +109,7 @@ class RedisBackend:
     # ---- writing ---------------------------------------------------------------------------------
 
     def _log(self, pipe, op: str, entry_id: str) -> None:
+        """One change-log record, queued on `pipe` (a transaction, or the client itself)."""
         pipe.xadd(PREFIX + "log", {"op": op, "id": entry_id}, maxlen=LOG_KEEP, approximate=True)
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
@@ -140,26 +144,45 @@ class RedisBackend:
                         continue   # another worker changed it first: read it again
         return self._guard("update an entry", work)
 
+    def _freeing(self, deletions, op: str, entry_id: str):
+        """Runs `deletions(pipe)` and logs `op` in one transaction; over maxmemory (noeviction), where Redis refuses
+        every command of a transaction, the deletions run one by one instead (DEL and SREM are allowed over the
+        limit), the metadata's first, then the log record once space was freed (skipped if still refused: the
+        other workers find the entry gone at their next read of it). Returns the deletions' replies."""
+        pipe = self._client.pipeline(transaction=True)
+        deletions(pipe)
+        self._log(pipe, op, entry_id)
+        try:
+            return pipe.execute()[:-1]
+        except self._errors.OutOfMemoryError:
+            pass
+        pipe = self._client.pipeline(transaction=False)
+        deletions(pipe)
+        replies = pipe.execute()
+        try:
+            self._log(self._client, op, entry_id)
+        except self._errors.OutOfMemoryError:
+            pass
+        return replies
+
     def remove(self, entry_id: str) -> bool:
-        def work():
-            pipe = self._client.pipeline(transaction=True)
+        def deletions(pipe):
             pipe.delete(self._key("meta", entry_id))
             pipe.srem(PREFIX + "ids", entry_id)
             for kind in ("sig", "blob", "thumb"):
                 pipe.delete(self._key(kind, entry_id))
-            self._log(pipe, "del", entry_id)
-            return bool(pipe.execute()[0])
-        return self._guard("delete an entry", work)
+        return self._guard("delete an entry", lambda: bool(self._freeing(deletions, "del", entry_id)[0]))
 
     def clear(self) -> None:
         def work():
             ids = [i.decode() for i in self._client.smembers(PREFIX + "ids")]
-            pipe = self._client.pipeline(transaction=True)
-            for start in range(0, len(ids), BATCH):
-                pipe.delete(*[self._key(kind, e) for e in ids[start:start + BATCH] for kind in "msbt"])
-            pipe.delete(PREFIX + "ids")
-            self._log(pipe, "clear", "-")
-            pipe.execute()
+
+            def deletions(pipe):
+                for start in range(0, len(ids), BATCH):
+                    chunk = ids[start:start + BATCH]
+                    pipe.delete(*[self._key(kind, e) for kind in "msbt" for e in chunk])
+                pipe.delete(PREFIX + "ids")
+            self._freeing(deletions, "clear", "-")
         self._guard("clear the cache", work)
 
     # ---- reading ---------------------------------------------------------------------------------
