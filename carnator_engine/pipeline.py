@@ -134,6 +134,11 @@ def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list
 
 
 def _validate_request(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> None:
+    for name, tensor in (("sigmas", sigmas), ("noise", noise)):
+        if not torch.is_tensor(tensor) or not tensor.is_floating_point():
+            kind = f"dtype {tensor.dtype}" if torch.is_tensor(tensor) else type(tensor).__name__
+            raise ValueError(f"the {name} are a {kind}, not a floating-point tensor: pass float noise (torch.randn) "
+                             "and float sigmas; nothing was run or stored")
     config.validate(len(sigmas) - 1)
     runner.layout.token_grid(noise.shape)  # raises a clear error for a latent of the wrong shape
     for name, tensor in (("sigmas", sigmas), ("noise", noise)):
@@ -311,6 +316,9 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
                         lambda: store.trajectory(store.record(decision.entry_id)))
         if payload is None:   # corrupt, missing, or deleted/evicted since the gate chose it
             decision = _full_generation(decision, probed, f"entry {decision.entry_id} could not be read")
+        elif unfit := _unfit(payload, decision, probed):
+            store.report_problem(f"entry {decision.entry_id} {unfit}: this request is generated in full")
+            decision = _full_generation(decision, probed, f"entry {decision.entry_id} does not fit this request")
     keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
                      if s > decision.resume_step)
     observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
@@ -324,6 +332,21 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
     latent = follow_entry(runner, probed, decision, payload, config, observer)
     _record_hit(store, decision)
     return decision, latent, observer, payload.connectivity
+
+
+def _unfit(payload: TrajectoryPayload, decision: gate_module.Decision, probed: ProbeResult) -> str:
+    """Why a chosen entry's trajectory cannot continue this request ("" when it can): a checkpoint the decision
+    resumes from is missing, or its latent shape is not the request's (an entry a bucket should never have held)."""
+    needed = [decision.resume_step] + ([decision.refine_step] if decision.refine_step is not None else [])
+    missing = [step for step in needed if step not in payload.checkpoints]
+    if missing:
+        return f"has no checkpoint at step {missing[0]}"
+    shape = tuple(probed.latent.shape)
+    wrong = [step for step in needed if tuple(payload.checkpoints[step].shape) != shape]
+    if wrong:
+        return (f"holds a latent of shape {list(payload.checkpoints[wrong[0]].shape)} at step {wrong[0]}, but this "
+                f"request's latent has shape {list(shape)}")
+    return ""
 
 
 def _full_generation(decision: gate_module.Decision, probed: ProbeResult, why: str) -> gate_module.Decision:
