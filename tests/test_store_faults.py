@@ -63,3 +63,48 @@ def test_redis_over_maxmemory_still_deletes_evicts_and_clears_and_says_why(redis
     assert CarnatorStore(redis_server.url, 64 << 20).stats()["entries"] == 0
     client.config_set("maxmemory", "0")
     store.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (root only; where mounting is not allowed the test skips with the reason)."""
+    import subprocess
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}): run as root")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)   # lazy: a closed SQLite may still be unmapping
+
+
+def _fill(path):
+    """Takes every byte the disk has left, as another program would."""
+    try:
+        with open(path, "wb") as handle:
+            while True:
+                handle.write(bytes(4096))
+                handle.flush()
+    except OSError:
+        pass                             # full (possibly before the file could be made)
+
+
+def test_a_full_disk_still_opens_the_store_for_lookups_and_frees_space_itself(small_disk):
+    import os
+    directory = str(small_disk / "cache")
+    store = CarnatorStore(directory, 64 << 20)
+    entries = []
+    with pytest.raises(StoreError, match="disk is full: free space or lower the size limit"):
+        while True:
+            entries.append(_put(store, len(entries), checkpoint_elems=60_000))
+    store.close()
+    _fill(small_disk / "other_program.bin")
+    assert os.statvfs(small_disk).f_bavail == 0
+    reopened = CarnatorStore(directory, 64 << 20)                     # opens: lookups still work
+    assert reopened.shortlist("b", _signature(0), 1) == [entries[0]]
+    assert torch.equal(reopened.trajectory(reopened.record(entries[0])).checkpoints[6],
+                       reopened.trajectory(reopened.record(entries[0])).checkpoints[4] * 2)
+    assert reopened.delete(entries[0])                                # and the store frees space itself
+    assert reopened.set_size_limit(1 << 20)                           # eviction
+    assert not [name for name in os.listdir(directory) if name.startswith(".write-test")]
+    reopened.close()
