@@ -32,7 +32,8 @@ class EarlySignature:
     def __post_init__(self):
         """A malformed signature (from the engine API, or stored bytes that parse as tensors) is refused here with
         what is wrong, not later with a shape error from deep inside a lookup."""
-        shapes = {"hidden": (3, "[probe_steps, blocks, features]"), "denoised": (4, "[channels, frames, height, width]"),
+        shapes = {"hidden": (3, "[probe_steps, blocks, features]"),
+                  "denoised": (4, "[channels, frames, height, width]"),
                   "attention": (3, "[blocks, g, g]")}
         for name, (dims, layout) in shapes.items():
             value = getattr(self, name)
