@@ -108,3 +108,32 @@ def test_a_full_disk_still_opens_the_store_for_lookups_and_frees_space_itself(sm
     assert reopened.set_size_limit(1 << 20)                           # eviction
     assert not [name for name in os.listdir(directory) if name.startswith(".write-test")]
     reopened.close()
+
+
+def test_a_redis_password_with_url_characters_connects_and_never_shows(tmp_path):
+    from redis_server import RedisServer, require_redis_server
+    require_redis_server()
+    password = "pa/ss#wo?rd@x"
+    server = RedisServer(str(tmp_path / "redis"), password=password).start()
+    try:
+        url = f"redis://:{password}@127.0.0.1:{server.port}/0"
+        store = CarnatorStore(url, 64 << 20)
+        assert _put(store, 0) and password not in store.location and "pa/ss" not in str(store.stats())
+        store.close()
+        for broken in (f"redis://:{password}@127.0.0.1:notaport/0", f"redis://:{password}@127.0.0.1:1/0"):
+            with pytest.raises(StoreError) as caught:
+                CarnatorStore(broken, 64 << 20)
+            assert "pa/ss" not in str(caught.value) and "wo?rd" not in str(caught.value), caught.value
+    finally:
+        server.stop()
+
+
+def test_a_url_of_another_kind_is_refused_not_made_a_folder(tmp_path, monkeypatch):
+    from nodes import stores
+    monkeypatch.setattr(stores, "user_directory", lambda: str(tmp_path / "user"))
+    for url in ("unix://:s3cret@/tmp/redis.sock", "http://:s3cret@host/"):
+        for opening in (lambda: stores.open_store(url), lambda: CarnatorStore(url)):
+            with pytest.raises(StoreError, match="cache location is not supported") as caught:
+                opening()
+            assert "s3cret" not in str(caught.value)
+    assert not (tmp_path / "user").exists()

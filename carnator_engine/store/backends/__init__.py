@@ -20,11 +20,22 @@ Two backends, one file each: `disk` (diskcache + blob files, the default, no ser
 """
 from __future__ import annotations
 
+from ..errors import StoreError
+
 REDIS_SCHEMES = ("redis://", "rediss://")
 
 
 def is_redis_url(location: str) -> bool:
     return location.strip().lower().startswith(REDIS_SCHEMES)
+
+
+def refuse_other_urls(location: str) -> None:
+    """StoreError for a URL of another kind (unix://, http://, ...): it would otherwise name a folder, the URL's
+    password in its name. The message shows the scheme only."""
+    scheme, separator, _ = location.strip().partition("://")
+    if separator and not is_redis_url(location):
+        raise StoreError(f"a {scheme[:20]}:// cache location is not supported: give a folder path, or a Redis "
+                         "store as redis://[:password@]host:port/db (rediss:// for TLS)")
 
 
 def holds_store(location: str) -> bool:
@@ -38,6 +49,7 @@ def holds_store(location: str) -> bool:
 
 
 def open_backend(location: str):
+    refuse_other_urls(location)
     if is_redis_url(location):
         from .redis_store import RedisBackend
         return RedisBackend(location.strip())

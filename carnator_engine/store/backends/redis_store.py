@@ -28,14 +28,21 @@ BATCH = 500
 TIMEOUT_SECONDS = 60   # a Wan-sized blob is tens of MB
 
 
+def split_url(url: str) -> tuple:
+    """(URL for the client without its password, the password or None, the URL as shown). Read by hand, not with
+    urllib: a password often holds '/', '#' or '?' unencoded, which a URL parser takes for the path, fragment or
+    query (and then fails, or shows the password as a path). The user information ends at the last '@'."""
+    scheme, _, rest = url.strip().partition("://")
+    userinfo, at, address = rest.rpartition("@")
+    user, colon, password = userinfo.partition(":") if at else ("", "", "")
+    client = f"{scheme}://{user + '@' if user else ''}{address}"
+    shown = f"{scheme}://{user + '@' if user else ''}{address.partition('?')[0].partition('#')[0]}"
+    return client, urllib.parse.unquote(password) if colon and password else None, shown
+
+
 def shown_url(url: str) -> str:
     """The URL without its password (user name, host, port and database kept)."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or "localhost"
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = (f"{parts.username}@" if parts.username else "") + host + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    return split_url(url)[2]
 
 
 def _stream_id(text) -> tuple:
@@ -53,13 +60,12 @@ class RedisBackend:
             raise StoreError("a redis:// cache needs the redis package: pip install -r requirements-redis.txt "
                              "(or pip install 'comfyui-carnator[redis]')") from None
         self._errors = redis.exceptions
-        self.location = shown_url(url)
-        given = urllib.parse.urlsplit(url).password
-        self._password = urllib.parse.unquote(given) if given else os.environ.get(PASSWORD_VARIABLE) or None
+        client_url, given, self.location = split_url(url)
+        self._password = given or os.environ.get(PASSWORD_VARIABLE) or None
         try:
-            self._client = redis.Redis.from_url(url, password=self._password, socket_timeout=TIMEOUT_SECONDS,
+            self._client = redis.Redis.from_url(client_url, password=self._password, socket_timeout=TIMEOUT_SECONDS,
                                                 socket_connect_timeout=10)
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
             raise StoreError(self._scrub(f"Carnator cache URL {self.location!r} is not valid ({error}): write it "
                                          "as redis://[:password@]host:port/db or rediss:// for TLS")) from None
         self._guard("connect", self._client.ping)
