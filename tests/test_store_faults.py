@@ -137,3 +137,37 @@ def test_a_url_of_another_kind_is_refused_not_made_a_folder(tmp_path, monkeypatc
                 opening()
             assert "s3cret" not in str(caught.value)
     assert not (tmp_path / "user").exists()
+
+
+def test_orphans_of_repeated_crashes_count_in_the_size_limit(tmp_path):
+    from test_store import _crash
+    directory = tmp_path / "c"
+    limit = 2 << 20
+    CarnatorStore(str(directory), limit).close()
+    for seed in range(3):                              # each killed between its blob's write and its commit
+        _crash(str(directory), "commit",
+               "import torch\nfrom carnator_engine.store import TrajectoryPayload\n"
+               "from carnator_engine.signature import EarlySignature\n"
+               "sig = EarlySignature(torch.ones(2, 3, 64), torch.ones(3, 4, 4, 4), torch.full((3, 4, 4), 0.25))\n"
+               f"store.put(bucket='b', prompt='p', seed={seed}, steps=10, probe_steps=2, signature=sig, "
+               "payload=TrajectoryPayload({4: torch.rand(1, 100_000).half()}, {}), latent_shape=[1, 100_000])")
+    store = CarnatorStore(str(directory), limit)      # young orphans: maybe writes in flight, so kept, but counted
+    assert store.orphans_reclaimed == 0 and store.stats()["overhead_bytes"] > 3 * 200_000
+    for seed in range(10):
+        _put(store, seed, checkpoint_elems=30_000)
+        on_disk = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        assert on_disk <= limit, (seed, on_disk)
+    store.close()
+
+
+def test_a_blob_replaced_by_a_folder_is_marked_corrupt_and_left_alone(store):
+    import os
+    from carnator_engine.store import CorruptEntryError
+    entry = _put(store, 0)
+    path = store._backend._blob_path(entry)
+    os.remove(path)
+    os.mkdir(path)
+    with pytest.raises(CorruptEntryError, match="missing"):
+        store.trajectory(store.record(entry))
+    assert store.record(entry).corrupt and store.shortlist("b", _signature(0), 3) == []
+    assert store.delete(entry) and os.path.isdir(path)
