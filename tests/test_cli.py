@@ -79,3 +79,27 @@ def test_demo_legend_explains_the_columns():
     assert "HIT: a cached trajectory's step k, after the 3 probe steps (calls = 3 + 20 - k, one more" in legend
     assert "how many of the prompt's 6 attributes" in legend and "read back from its pixels (6/6: all" in legend
     assert "The first request also pays one-time start-up costs" in legend
+
+
+@pytest.mark.parametrize("command", [["demo", "--cache", "/etc"], ["stats", "--cache", "/"],
+                                     ["clear", "--yes", "--cache", "unix://:s3cret@/run/redis.sock"]])
+def test_a_system_folder_or_a_foreign_url_is_a_one_line_error(command, capsys, monkeypatch):
+    import os
+
+    import diskcache
+
+    def no_writes(*args, **kwargs):   # so that a regression fails here instead of writing into a system folder
+        raise AssertionError(f"{command}: a store was being created in a system folder")
+    monkeypatch.setattr(os, "makedirs", no_writes)
+    monkeypatch.setattr(diskcache, "Cache", no_writes)
+    code = cli.main(command)
+    printed = capsys.readouterr()
+    assert code == 2 or (code != 0 and "no Carnator cache" in printed.err), printed
+    assert "s3cret" not in printed.out + printed.err and printed.err.count("\n") <= 1
+
+
+def test_a_foreign_folder_is_refused_by_the_demo_and_left_alone(tmp_path, capsys):
+    (tmp_path / "mine.txt").write_text("user data")
+    assert cli.main(["demo", "--cache", str(tmp_path)]) == 2
+    assert "not a Carnator store" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]

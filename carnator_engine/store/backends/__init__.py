@@ -44,6 +44,7 @@ def holds_store(location: str) -> bool:
     only opening the store can ask."""
     if is_redis_url(location):
         return True
+    refuse_other_urls(location)
     from ..marker import is_marked
     return is_marked(location)
 
