@@ -194,8 +194,8 @@ def _verdict(summary: dict) -> str:
     stored = f"; stored as {summary['stored_as']}" if summary.get("stored_as") else ""
     cost = cost_text(summary)
     if summary.get("exact_repeat"):
-        return (f"Carnator REPEAT: every input matches entry {summary.get('entry_id')}, a full generation; its "
-                f"stored result, {cost}")
+        return (f"Carnator REPEAT: every input matches entry {summary.get('entry_id')}, an earlier generation; "
+                f"its stored result, {cost}")
     if summary.get("reuse"):
         return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}; "
                 f"{cost}, expected {summary.get('expected_speedup')}x{stored}")
