@@ -45,8 +45,13 @@ def _stream_id(text) -> tuple:
     return int(ms), int(seq or 0)
 
 
+BLOB_FOLDER_KEY = PREFIX + "blob_folder"   # the farm layout's (farm.py): the identity of the store's blob folder
+
+
 class RedisBackend:
-    def __init__(self, url: str):
+    """farm.py composes this backend: its connection, its error translation and its queue_* transaction parts."""
+
+    def __init__(self, url: str, blob_folder: str = ""):
         try:
             import redis
         except ImportError:
@@ -65,6 +70,33 @@ class RedisBackend:
         self._guard("connect", self._client.ping)
         self._guard("connect", lambda: self._client.set(PREFIX + "store", uuid.uuid4().hex, nx=True))
         self.identity = self._guard("connect", lambda: self._client.get(PREFIX + "store")).decode()
+        self._bind(blob_folder)
+
+    def _bind(self, blob_folder: str) -> None:
+        """A store is Redis-only or a farm's (its trajectories in the blob folder of identity `blob_folder`), for
+        good: opened the other way, every hit would read a trajectory that is not where it looks."""
+        def work():
+            with self._client.pipeline(transaction=True) as pipe:
+                pipe.watch(BLOB_FOLDER_KEY, PREFIX + "ids")
+                bound = pipe.get(BLOB_FOLDER_KEY)
+                bound = bound.decode() if bound is not None else ""
+                if bound or not blob_folder:
+                    return bound
+                if pipe.scard(PREFIX + "ids"):
+                    return None
+                pipe.multi()
+                pipe.set(BLOB_FOLDER_KEY, blob_folder)
+                pipe.execute()
+                return blob_folder
+        bound = self._guard("connect", work)
+        if bound is None:
+            raise StoreError(f"Carnator cache {self.location!r} holds Redis-only entries (trajectories inside "
+                             "Redis): leave blob_dir empty for it, or give the farm another database "
+                             "(redis://host:port/1)")
+        if bound != blob_folder:
+            raise StoreError(f"Carnator cache {self.location!r} keeps its trajectories in a shared blob folder "
+                             f"(the farm layout; folder identity {bound[:8]}...): give blob_dir, the folder of that "
+                             "store every worker mounts")
 
     # ---- errors ----------------------------------------------------------------------------------
 
@@ -108,14 +140,19 @@ class RedisBackend:
     def _log(self, pipe, op: str, entry_id: str) -> None:
         pipe.xadd(PREFIX + "log", {"op": op, "id": entry_id}, maxlen=LOG_KEEP, approximate=True)
 
+    def queue_put(self, pipe, entry_id: str, meta: bytes, parts: dict) -> None:
+        """Into a MULTI: the parts given (the farm layout keeps its blob out of Redis), then the metadata."""
+        for kind in ("sig", "blob", "thumb"):
+            if kind in parts:
+                pipe.set(self._key(kind, entry_id), parts[kind])
+        pipe.set(self._key("meta", entry_id), meta)
+        pipe.sadd(PREFIX + "ids", entry_id)
+        self._log(pipe, "put", entry_id)
+
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
         def work():
             pipe = self._client.pipeline(transaction=True)
-            for kind in ("sig", "blob", "thumb"):
-                pipe.set(self._key(kind, entry_id), parts[kind])
-            pipe.set(self._key("meta", entry_id), meta)
-            pipe.sadd(PREFIX + "ids", entry_id)
-            self._log(pipe, "put", entry_id)
+            self.queue_put(pipe, entry_id, meta, parts)
             pipe.execute()
         self._guard("store an entry", work)
 
@@ -140,25 +177,37 @@ class RedisBackend:
                         continue   # another worker changed it first: read it again
         return self._guard("update an entry", work)
 
+    def queue_remove(self, pipe, entry_id: str) -> None:
+        """Into a MULTI: an entry's metadata and parts; the first result says whether it existed."""
+        pipe.delete(self._key("meta", entry_id))
+        pipe.srem(PREFIX + "ids", entry_id)
+        for kind in ("sig", "blob", "thumb"):
+            pipe.delete(self._key(kind, entry_id))
+        self._log(pipe, "del", entry_id)
+
     def remove(self, entry_id: str) -> bool:
         def work():
             pipe = self._client.pipeline(transaction=True)
-            pipe.delete(self._key("meta", entry_id))
-            pipe.srem(PREFIX + "ids", entry_id)
-            for kind in ("sig", "blob", "thumb"):
-                pipe.delete(self._key(kind, entry_id))
-            self._log(pipe, "del", entry_id)
+            self.queue_remove(pipe, entry_id)
             return bool(pipe.execute()[0])
         return self._guard("delete an entry", work)
 
+    def entry_ids(self) -> list:
+        return [i.decode() for i in self._guard("list its entries", lambda: self._client.smembers(PREFIX + "ids"))]
+
+    def queue_clear(self, pipe, ids: list) -> None:
+        """Into a MULTI: every entry of `ids` gone, and one "clear" record in the log."""
+        for start in range(0, len(ids), BATCH):
+            pipe.delete(*[self._key(kind, e) for e in ids[start:start + BATCH] for kind in "msbt"])
+        pipe.delete(PREFIX + "ids")
+        self._log(pipe, "clear", "-")
+
     def clear(self) -> None:
+        ids = self.entry_ids()
+
         def work():
-            ids = [i.decode() for i in self._client.smembers(PREFIX + "ids")]
             pipe = self._client.pipeline(transaction=True)
-            for start in range(0, len(ids), BATCH):
-                pipe.delete(*[self._key(kind, e) for e in ids[start:start + BATCH] for kind in "msbt"])
-            pipe.delete(PREFIX + "ids")
-            self._log(pipe, "clear", "-")
+            self.queue_clear(pipe, ids)
             pipe.execute()
         self._guard("clear the cache", work)
 
