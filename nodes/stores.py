@@ -10,7 +10,7 @@ import os
 import threading
 
 from carnator_engine.store.backends import is_redis_url
-from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore
+from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore, StoreError
 
 DEFAULT_SIZE_LIMIT_GB = DEFAULT_SIZE_LIMIT / (1 << 30)   # the Carnator Cache node's default, in GiB
 
@@ -34,14 +34,22 @@ def default_cache_dir() -> str:
 def _key(location: str) -> str:
     """The registry's key: the URL as given (it may hold a password, so it is never shown), or the directory a
     Carnator Cache node's cache_dir names: empty = the default one; a relative path is taken inside the user
-    directory, never the server's working directory (which depends on how ComfyUI was started)."""
+    directory, never the server's working directory (which depends on how ComfyUI was started), and may not leave
+    it (`..`): a shared workflow's cache_dir cannot reach folders elsewhere on the server."""
     location = location.strip()
     if is_redis_url(location):
         return location
     directory = os.path.expanduser(location)
     if not directory:
         return os.path.abspath(default_cache_dir())
-    return os.path.abspath(os.path.join(user_directory(), directory))   # join keeps an absolute path as it is
+    if os.path.isabs(directory):
+        return os.path.normpath(directory)
+    inside = os.path.abspath(user_directory())
+    joined = os.path.normpath(os.path.join(inside, directory))
+    if os.path.commonpath([inside, joined]) != inside or joined == inside:
+        raise StoreError(f"cache_dir {location!r} leaves ComfyUI's user directory ({inside}): give a folder inside "
+                         "it (no '..'), or an absolute path")
+    return joined
 
 
 def open_store(location: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT) -> CarnatorStore:

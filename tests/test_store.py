@@ -316,7 +316,9 @@ def test_unusable_cache_db_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(StoreError, match=r"empty.*cache.db is empty.*delete the directory"):
         CarnatorStore(str(empty))
     damaged = tmp_path / "damaged"
-    damaged.mkdir()
+    CarnatorStore(str(damaged)).close()                  # a marked store whose database is then overwritten
+    for name in ("cache.db-wal", "cache.db-shm"):
+        (damaged / name).unlink(missing_ok=True)
     (damaged / "cache.db").write_bytes(b"this is not an SQLite database" * 100)
     with pytest.raises(StoreError, match=r"damaged.*cache.db is damaged: move the directory away"):
         CarnatorStore(str(damaged))

@@ -21,8 +21,6 @@ farm layout `farm` (Redis for the index and metadata, trajectories in a shared `
 """
 from __future__ import annotations
 
-import os
-
 from ..errors import StoreError
 
 REDIS_SCHEMES = ("redis://", "rediss://")
@@ -33,12 +31,13 @@ def is_redis_url(location: str) -> bool:
 
 
 def holds_store(location: str) -> bool:
-    """Whether a store lives at `location` already, found without creating one: a directory once it has the disk
-    backend's database; a redis:// URL names a server, which only opening the store can ask."""
+    """Whether a store lives at `location` already, found without creating one: a directory once it carries the
+    store marker (or a store from before the marker, which opening adopts); a redis:// URL names a server, which
+    only opening the store can ask."""
     if is_redis_url(location):
         return True
-    from .disk import DB_FILES
-    return os.path.isfile(os.path.join(os.path.expanduser(location), DB_FILES[0]))
+    from ..marker import is_marked
+    return is_marked(location)
 
 
 def open_backend(location: str, blob_dir: str = ""):

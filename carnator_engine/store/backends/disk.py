@@ -7,12 +7,15 @@ and renamed into place before the transaction that makes its metadata visible; a
 removal first and unlinks the file after. A crash in between leaves an orphan file, reclaimed at the next open.
 Keys are text: "m:<id>" metadata, "s:<id>" signature, "t:<id>" thumbnail, "l:<n>" change log, "seq" its head,
 "store" the store's identity. The index snapshot is the file index.snapshot, written like a blob.
+The folder is opened only as a marked Carnator store (marker.py), and only files under the names this module
+writes are ever removed from it.
 """
 from __future__ import annotations
 
 import errno
 import itertools
 import os
+import re
 import sqlite3
 import time
 import uuid
@@ -20,12 +23,19 @@ import uuid
 import diskcache
 
 from ..errors import StoreError
+from ..marker import MARKER_FILE, check_location, claim
 
 LOG_KEEP = 100_000          # change-log records kept; a reader further behind rebuilds its index
 ORPHAN_GRACE_SECONDS = 600  # a blob without metadata younger than this may be another process's write in flight
 DB_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
 SNAPSHOT_FILE = "index.snapshot"
 SCAN_BATCH = 1000           # metadata rows held at once while listing (a rebuild's memory stays small)
+# The only names Carnator writes (and so the only ones it deletes): an entry's blob, a write's temporary file.
+ENTRY_ID = re.compile(r"[0-9a-f]{16}")
+BLOB_NAME = re.compile(r"([0-9a-f]{16})\.blob")
+TEMPORARY = r"\.[0-9a-f]{8}\.tmp"     # what _write_file appends to a final name while it writes
+BLOB_TEMPORARY = re.compile(r"([0-9a-f]{16})\.blob" + TEMPORARY)
+SNAPSHOT_TEMPORARY = re.compile(re.escape(SNAPSHOT_FILE) + TEMPORARY)
 
 
 def _advice(error: BaseException) -> str:
@@ -45,8 +55,9 @@ def _advice(error: BaseException) -> str:
 
 class DiskBackend:
     def __init__(self, directory: str):
-        directory = os.path.abspath(os.path.expanduser(directory))
+        directory = check_location(directory)
         self.location = directory
+        self._pending_orphans = {}   # path -> bytes: orphans still in their grace period at the last sweep
         self.blob_dir = os.path.join(directory, "blobs")
         database = os.path.join(directory, "cache.db")
         if os.path.isfile(database) and os.path.getsize(database) == 0:
@@ -56,15 +67,15 @@ class DiskBackend:
         if os.path.exists(database) and not os.path.isfile(database):
             raise StoreError(f"Carnator cache {directory!r}: cache.db is not a file: move it away or choose "
                              "another cache path")
-        try:
-            os.makedirs(self.blob_dir, exist_ok=True)
-            probe = os.path.join(directory, f".write-test-{uuid.uuid4().hex}")
-            with open(probe, "wb") as handle:
-                handle.write(b"ok")
-            os.remove(probe)
-        except OSError as error:
-            raise StoreError(f"Carnator cache directory {directory!r} is not writable ({error.strerror or error}): "
-                             "choose another cache path") from error
+        # Writing the marker is a new store's write test; an existing one opens without writing (on a full disk its
+        # lookups still work, and deletes free space).
+        marked = claim(directory)
+        if not os.path.isdir(self.blob_dir):
+            try:
+                os.makedirs(self.blob_dir, exist_ok=True)
+            except OSError as error:
+                raise StoreError(f"Carnator cache directory {directory!r} is not writable "
+                                 f"({error.strerror or error}): choose another cache path") from error
         # Everything but blobs stays inside SQLite (atomic with its transaction): no diskcache value files.
         self._cache = self._guard("open", lambda: diskcache.Cache(
             directory, size_limit=1 << 62, eviction_policy="none", disk_min_file_size=1 << 30,
@@ -72,8 +83,13 @@ class DiskBackend:
             # size limit small (its default grows to 4 MB and stays).
             sqlite_wal_autocheckpoint=256, sqlite_journal_size_limit=1 << 20))
         self._guard("open", lambda: self._cache.get("seq"))  # a damaged database fails here, not mid-request
-        self._guard("open", lambda: self._cache.add("store", uuid.uuid4().hex))
         self.identity = self._guard("open", lambda: self._cache.get("store"))
+        if self.identity is None:
+            self._guard("open", lambda: self._cache.add("store", marked))
+            self.identity = self._guard("open", lambda: self._cache.get("store"))
+        if self.identity != marked:
+            raise StoreError(f"Carnator cache {directory!r}: cache.db belongs to another store than its marker "
+                             f"{MARKER_FILE} (copied in from elsewhere?): move one of them away")
 
     def _guard(self, action: str, work):
         try:
@@ -85,6 +101,9 @@ class DiskBackend:
                              f"{_advice(error)}") from error
 
     def _blob_path(self, entry_id: str) -> str:
+        if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):
+            raise StoreError(f"Carnator cache {self.location!r}: {str(entry_id)[:40]!r} is not an entry id (16 "
+                             "lowercase hex digits)")
         return os.path.join(self.blob_dir, entry_id + ".blob")
 
     # ---- writing ---------------------------------------------------------------------------------
@@ -161,8 +180,14 @@ class DiskBackend:
         return self._guard("delete an entry", work)
 
     def _unlink(self, entry_id: str) -> None:
+        """Removes an entry's blob file; anything else at its name (a folder someone put there) is left alone."""
+        if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):
+            return
+        path = self._blob_path(entry_id)
+        if os.path.isdir(path) and not os.path.islink(path):
+            return
         try:
-            os.remove(self._blob_path(entry_id))
+            os.remove(path)
         except FileNotFoundError:
             pass
 
@@ -197,8 +222,8 @@ class DiskBackend:
         try:
             with open(self._blob_path(entry_id), "rb") as handle:
                 return handle.read()
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, IsADirectoryError):
+            return None    # missing: the store marks the entry corrupt when its metadata still lists it
         except OSError as error:
             raise StoreError(f"Carnator cache {self.location!r} could not read a blob ({error}): "
                              f"{_advice(error)}") from error
@@ -288,10 +313,13 @@ class DiskBackend:
                 total += os.path.getsize(os.path.join(self.location, name))
             except OSError:
                 pass
-        return total
+        return total + sum(self._pending_orphans.values())
 
     def compact(self) -> None:
-        """Moves the WAL into cache.db and truncates it, when the store is over its limit."""
+        """What frees space without evicting, when the store is over its limit: orphans past their grace period
+        reclaimed, the WAL moved into cache.db and truncated."""
+        if self._pending_orphans:
+            self.reclaim_orphans()
         def work():
             connection = sqlite3.connect(os.path.join(self.location, "cache.db"), timeout=10)
             try:
@@ -302,27 +330,39 @@ class DiskBackend:
 
     def reclaim_orphans(self) -> tuple:
         """Blob files no metadata refers to (a crash between a blob's write and its commit, or between a delete's
-        commit and its unlink), and temporary files of interrupted writes, older than the grace period. Which
-        ids have metadata is one scan of the keys (0.15 s at 100k entries), not a read per blob (2.5 s at every
-        open, page cache warm); a blob that looks orphaned is checked by its own key once more, since another
-        process may have committed its entry after the scan."""
+        commit and its unlink), and temporary files of interrupted writes, older than the grace period; younger
+        ones are counted in overhead_bytes until a later sweep takes them. Only regular files under Carnator's own
+        names (BLOB_NAME, the temporaries) in this marked store are ever removed: anything else is left alone.
+        Which ids have metadata is one scan of the keys (0.15 s at 100k entries), not a read per blob (2.5 s at
+        every open, page cache warm); a blob that looks orphaned is checked by its own key once more, since
+        another process may have committed its entry after the scan."""
         live = self._guard("list its entries", self._meta_ids)
-        snapshot_temporaries = [item for item in os.scandir(self.location)
-                                if item.name.startswith(SNAPSHOT_FILE + ".") and item.name.endswith(".tmp")]
+        found = []   # (file, the id of the entry it is the blob of, or None for a temporary file)
+        for item in os.scandir(self.blob_dir):
+            blob = BLOB_NAME.fullmatch(item.name)
+            if blob or BLOB_TEMPORARY.fullmatch(item.name):
+                found.append((item, blob.group(1) if blob else None))
+        found += [(item, None) for item in os.scandir(self.location) if SNAPSHOT_TEMPORARY.fullmatch(item.name)]
         count = freed = 0
+        pending = {}
         cutoff = time.time() - ORPHAN_GRACE_SECONDS
-        for item in itertools.chain(os.scandir(self.blob_dir), snapshot_temporaries):
-            entry_id, blob = item.name.split(".", 1)[0], item.name.endswith(".blob")
-            if blob and entry_id in live:
+        for item, entry_id in found:
+            if entry_id in live:
                 continue
             try:
-                stat = item.stat()
-                if stat.st_mtime > cutoff or (blob and self.meta(entry_id) is not None):
+                if not item.is_file(follow_symlinks=False):
+                    continue
+                stat = item.stat(follow_symlinks=False)
+                if entry_id is not None and self.meta(entry_id) is not None:
+                    continue
+                if stat.st_mtime > cutoff:
+                    pending[item.path] = stat.st_size  # maybe a write in flight: counted, not yet removed
                     continue
                 os.remove(item.path)
             except (OSError, StoreError):
                 continue
             count, freed = count + 1, freed + stat.st_size
+        self._pending_orphans = pending
         return count, freed
 
     # ---- the index snapshot ----------------------------------------------------------------------

@@ -1,0 +1,152 @@
+"""The store marker: the file that proves a folder is a Carnator store, and the folders a store may never be.
+
+A disk store is a folder Carnator made itself: `carnator-store.json` (format name, format version, the store's
+identity) is written into it at creation, before any other file, and read at every open. Carnator deletes files
+only inside a folder that carries it (and only under its own file names, backends/disk.py), so a cache path that
+names someone else's folder can never cost them a file: a non-empty folder without the marker is refused, nothing
+touched. A folder from before the marker existed is adopted (marked) only when it holds Carnator's own database
+with the identity key every Carnator store wrote at creation; anything else is refused.
+
+The filesystem root, system folders and the home folder itself are refused before anything is created: a store's
+files must live in a folder of their own.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import sqlite3
+import uuid
+
+from .errors import StoreError
+
+MARKER_FILE = "carnator-store.json"
+FORMAT = "carnator-store"
+FORMAT_VERSION = 1
+DATABASE_FILE = "cache.db"
+IDENTITY = re.compile(r"[0-9a-f]{32}")
+MARKER_TEMPORARY = re.compile(re.escape(MARKER_FILE) + r"\.[0-9a-f]{8}\.tmp")
+# Never a store: these folders themselves (a store needs a folder of its own) ...
+REFUSED_FOLDERS = ("/", "/home", "/root", "/tmp", "/var", "/opt", "/srv", "/mnt", "/media", "/Users", "/Volumes")
+# ... nor anything inside these (the operating system's own files).
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin",
+                "/sys", "/usr", "/System", "/Library")
+
+
+def _inside(path: str, tree: str) -> bool:
+    return path == tree or path.startswith(tree.rstrip(os.sep) + os.sep)
+
+
+def check_location(directory: str) -> str:
+    """The folder's absolute real path, or StoreError for the filesystem root, a system folder or the home folder."""
+    real = os.path.realpath(os.path.abspath(os.path.expanduser(directory)))
+    home = os.path.realpath(os.path.expanduser("~"))
+    refused = (os.path.dirname(real) == real or real == home or real in REFUSED_FOLDERS
+               or any(_inside(real, tree) for tree in SYSTEM_TREES))
+    if refused:
+        raise StoreError(f"Carnator cache {directory!r} is the filesystem root, a system folder or the home folder "
+                         "itself: give a folder of its own, such as ~/carnator_cache")
+    return real
+
+
+def _legacy_identity(directory: str):
+    """The identity key of a store made before the marker existed (Carnator's diskcache database), else None."""
+    database = os.path.join(directory, DATABASE_FILE)
+    if not os.path.isfile(database) or os.path.getsize(database) == 0:
+        return None
+    try:
+        connection = sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=30)
+        try:
+            row = connection.execute("SELECT value FROM Cache WHERE key = 'store' AND raw = 1").fetchone()
+        finally:
+            connection.close()
+    except sqlite3.Error:
+        return None
+    identity = row[0] if row else None
+    return identity if isinstance(identity, str) and IDENTITY.fullmatch(identity) else None
+
+
+def _read_marker(directory: str) -> str:
+    path = os.path.join(directory, MARKER_FILE)
+    try:
+        with open(path, "rb") as handle:
+            value = json.loads(handle.read(4096))
+        identity, version = value["identity"], value["version"]
+        if value.get("format") != FORMAT or not isinstance(identity, str) or not IDENTITY.fullmatch(identity) \
+                or not isinstance(version, int):
+            raise ValueError("not a Carnator store marker")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise StoreError(f"Carnator cache {directory!r}: its marker {MARKER_FILE} is unreadable or damaged "
+                         f"({error}): restore it, or choose another cache path") from None
+    if version > FORMAT_VERSION:
+        raise StoreError(f"Carnator cache {directory!r} was made by a newer Carnator (store format {version}, this "
+                         f"one reads {FORMAT_VERSION}): update Carnator or choose another cache path")
+    return identity
+
+
+def _write_marker(directory: str, identity: str) -> None:
+    """Whole or not at all, and never over another process's marker: a temporary file, hard-linked into place
+    (fails where the marker exists), so two processes creating one store at once agree on its identity."""
+    final = os.path.join(directory, MARKER_FILE)
+    temporary = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+    data = json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "identity": identity}).encode()
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(temporary, final)
+        except FileExistsError:
+            pass                           # another process marked it first: its identity is the store's
+        except OSError as error:
+            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            if not os.path.exists(final):  # a filesystem without hard links
+                os.replace(temporary, final)
+    finally:
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+
+
+def _marker_temporary(name: str) -> bool:
+    return MARKER_TEMPORARY.fullmatch(name) is not None
+
+
+def is_marked(directory: str) -> bool:
+    """Whether `directory` holds a Carnator store (marked, or adoptable from before the marker), found read-only."""
+    directory = os.path.abspath(os.path.expanduser(directory))
+    return os.path.isfile(os.path.join(directory, MARKER_FILE)) or _legacy_identity(directory) is not None
+
+
+def claim(directory: str) -> str:
+    """The identity of the Carnator store in `directory` (an absolute path checked by check_location): read from
+    its marker; a legacy store adopted (marked with its own identity); a missing or empty folder made a new store.
+    StoreError for a folder that is not a Carnator store, with nothing in it touched."""
+    if os.path.isfile(os.path.join(directory, MARKER_FILE)):
+        return _read_marker(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise StoreError(f"Carnator cache {directory!r} is a file, not a folder: choose a folder path")
+    identity = _legacy_identity(directory)
+    if identity is None:
+        try:
+            present = os.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            present = []                   # made below (or found not writable there)
+        except OSError as error:
+            raise StoreError(f"Carnator cache directory {directory!r} cannot be read ({error.strerror or error}): "
+                             "fix its permissions or choose another cache path") from error
+        if [name for name in present if not _marker_temporary(name)]:  # only a marker in flight: still empty
+            raise StoreError(f"Carnator cache {directory!r} is a folder that is not a Carnator store (not empty, "
+                             f"no {MARKER_FILE}): choose an empty or new folder; nothing in it was touched")
+        identity = uuid.uuid4().hex
+    try:
+        os.makedirs(directory, exist_ok=True)
+        _write_marker(directory, identity)
+    except OSError as error:
+        raise StoreError(f"Carnator cache directory {directory!r} is not writable ({error.strerror or error}): "
+                         "choose another cache path") from error
+    return _read_marker(directory)

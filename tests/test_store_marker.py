@@ -1,0 +1,116 @@
+"""The store marker: Carnator opens only folders it can prove are its stores, and deletes only its own files."""
+import json
+import os
+
+import pytest
+
+from carnator_engine.store import CarnatorStore, StoreError
+from carnator_engine.store.marker import MARKER_FILE
+from test_store import _put
+
+
+def _old_file(path, data=b"user data"):
+    """A file written long ago (older than any grace period given to writes in flight)."""
+    path.write_bytes(data)
+    os.utime(path, (0, 0))
+    return path
+
+
+def test_user_files_in_blobs_of_a_store_survive_every_open_and_delete(tmp_path):
+    directory = tmp_path / "c"
+    store = CarnatorStore(str(directory), 64 << 20)
+    kept = _put(store, 0)
+    store.close()
+    blobs = directory / "blobs"
+    users = [blobs / "holiday.jpg", blobs / "0123456789abcdef.blob.bak", blobs / "notes.blob",
+             blobs / "0123456789ABCDEF.blob", directory / "index.snapshot.bak"]
+    for path in users:
+        _old_file(path)
+    (blobs / "0123456789abcdef.blob").mkdir()                 # a folder at an entry's name is not a file to delete
+    (blobs / "0123456789abcdef.blob" / "inside.txt").write_bytes(b"user data")
+    orphan = _old_file(blobs / "fedcba9876543210.blob")
+    reopened = CarnatorStore(str(directory), 64 << 20)
+    assert reopened.orphans_reclaimed == 1 and not orphan.exists()   # Carnator's own orphan goes
+    assert all(path.read_bytes() == b"user data" for path in users)
+    assert (blobs / "0123456789abcdef.blob" / "inside.txt").exists()
+    reopened.delete(kept)
+    reopened.clear()
+    assert all(path.exists() for path in users)
+
+
+def test_a_folder_that_is_not_a_carnator_store_is_refused_and_untouched(tmp_path):
+    foreign = tmp_path / "photos"
+    (foreign / "blobs").mkdir(parents=True)
+    photo = _old_file(foreign / "blobs" / "0123456789abcdef.blob", b"mine")
+    before = sorted(p.name for p in foreign.rglob("*"))
+    with pytest.raises(StoreError, match=r"photos.*not a Carnator store.*choose an empty or new folder") as error:
+        CarnatorStore(str(foreign))
+    assert "\n" not in str(error.value)
+    assert photo.read_bytes() == b"mine" and sorted(p.name for p in foreign.rglob("*")) == before
+
+
+def test_a_new_or_empty_folder_becomes_a_marked_store(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for directory in (tmp_path / "empty", tmp_path / "new" / "deeper"):
+        store = CarnatorStore(str(directory))
+        marker = json.loads((directory / MARKER_FILE).read_text())
+        assert marker["format"] == "carnator-store" and marker["identity"] == store._backend.identity
+        store.close()
+        assert CarnatorStore(str(directory))._backend.identity == marker["identity"]
+
+
+def test_a_store_from_before_the_marker_is_adopted_anything_else_with_a_database_refused(tmp_path):
+    import diskcache
+    legacy = tmp_path / "legacy"
+    store = CarnatorStore(str(legacy), 64 << 20)
+    entry, identity = _put(store, 0), store._backend.identity
+    store.close()
+    (legacy / MARKER_FILE).unlink()                           # what an earlier Carnator left
+    adopted = CarnatorStore(str(legacy), 64 << 20)
+    assert [r.entry_id for r in adopted.records()] == [entry]
+    assert json.loads((legacy / MARKER_FILE).read_text())["identity"] == identity
+    other = tmp_path / "other_app"
+    diskcache.Cache(str(other)).set("key", "value")           # another program's diskcache: no Carnator identity
+    with pytest.raises(StoreError, match="not a Carnator store"):
+        CarnatorStore(str(other))
+    assert not (other / MARKER_FILE).exists() and not (other / "blobs").exists()
+
+
+def test_a_damaged_or_foreign_marker_is_refused(tmp_path):
+    directory = tmp_path / "c"
+    CarnatorStore(str(directory)).close()
+    marker = directory / MARKER_FILE
+    identity = json.loads(marker.read_text())["identity"]
+    marker.write_text(json.dumps({"format": "carnator-store", "version": 99, "identity": identity}))
+    with pytest.raises(StoreError, match="newer Carnator"):
+        CarnatorStore(str(directory))
+    marker.write_text("{not json")
+    with pytest.raises(StoreError, match="marker .* is unreadable or damaged"):
+        CarnatorStore(str(directory))
+    marker.write_text(json.dumps({"format": "carnator-store", "version": 1, "identity": "0" * 32}))
+    with pytest.raises(StoreError, match="cache.db belongs to another store than its marker"):
+        CarnatorStore(str(directory))
+
+
+@pytest.mark.parametrize("location", ["/", "/etc", "/etc/carnator_cache", "/usr/share/carnator", "~", "/tmp",
+                                      "/home", "/proc/self"])
+def test_the_root_and_system_folders_are_refused_before_anything_is_written(location, monkeypatch):
+    import diskcache
+
+    def no_writes(*args, **kwargs):   # so that a regression fails here instead of writing into a system folder
+        raise AssertionError(f"{location}: a store was being created in a system folder")
+    monkeypatch.setattr(os, "makedirs", no_writes)
+    monkeypatch.setattr(diskcache, "Cache", no_writes)
+    with pytest.raises(StoreError, match="filesystem root, a system folder or the home folder"):
+        CarnatorStore(location)
+
+
+def test_a_relative_cache_dir_stays_inside_the_user_directory(tmp_path, monkeypatch):
+    from nodes import stores
+    user = tmp_path / "user"
+    monkeypatch.setattr(stores, "user_directory", lambda: str(user))
+    assert stores._key("caches/one") == str(user / "caches" / "one")
+    for escaping in ("../outside", "caches/../../outside", "..", "."):
+        with pytest.raises(StoreError, match="leaves ComfyUI's user directory"):
+            stores._key(escaping)
+    assert not (tmp_path / "outside").exists()
