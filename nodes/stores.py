@@ -52,12 +52,13 @@ def _key(location: str) -> str:
     return joined
 
 
-def open_store(location: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT) -> CarnatorStore:
-    key = _key(location)
+def open_store(location: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT, blob_dir: str = "") -> CarnatorStore:
+    """`blob_dir` (with a redis:// location): the farm layout's shared folder of trajectories."""
+    key, blob_dir = _key(location), blob_dir.strip()
     with _lock:
-        store = _stores.get(key)
+        store = _stores.get((key, blob_dir))
         if store is None:
-            store = _stores[key] = CarnatorStore(key, size_limit_bytes)
+            store = _stores[(key, blob_dir)] = CarnatorStore(key, size_limit_bytes, blob_dir=blob_dir)
         elif store.size_limit_bytes != size_limit_bytes:
             store.set_size_limit(size_limit_bytes)
         return store

@@ -558,7 +558,7 @@ def test_unsupported_model_error_names_the_class():
 # since, the Wan 2.2 experts' and the probe's cache, come last and are optional: older saves leave them at default).
 EXPERTS = ["low_noise_model", "switch_step", "boundary_sigma"]
 NODE_INPUTS = {
-    "CarnatorCache": ["cache_dir", "size_limit_gb"],
+    "CarnatorCache": ["cache_dir", "size_limit_gb", "blob_dir"],
     "CarnatorEarlyProbe": ["model", "positive", "negative", "latent_image", "seed", "steps", "cfg", "sampler_name",
                            "scheduler", "probe_steps", "block_size", "cache", *EXPERTS],
     "CarnatorSignatureCacheLookup": ["cache", "probe", "limit"],
