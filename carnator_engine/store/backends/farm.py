@@ -3,7 +3,8 @@ reads), and a folder on shared storage that every worker mounts holds the trajec
 attention connectivity: tens of MB each at Wan size), so Redis's memory grows by kilobytes per entry, not by the
 trajectory. Composes the Redis backend (redis_store.py) and a BlobFolder (blob_folder.py).
 
-Keys beside the Redis backend's: `f:<id>` the name of the entry's blob file, `r:<name>` the set of entries that
+Keys beside the Redis backend's: `f:<id>` the name of the entry's blob file (kept BLOB_GRACE_SECONDS after the
+entry's removal, for readers in flight), `r:<name>` the set of entries that
 refer to that file (equal blobs share one), `gc` the files that lost their last reference (name -> when), and
 `x:<name>` a short-lived tombstone while a file is unlinked. The store is bound to its folder's identity
 (redis_store.BLOB_FOLDER_KEY), so a worker that mounts another folder, or none, is refused instead of marking
@@ -97,7 +98,9 @@ class FarmBackend:
             pipe = self._client.pipeline(transaction=True)
             self._redis.queue_remove(pipe, entry_id)
             if name is not None:
-                pipe.delete(self._name_key(entry_id))
+                # The name outlives the entry by the grace period: a worker that read the metadata just before reads
+                # the file it names, still on disk until then.
+                pipe.expire(self._name_key(entry_id), max(1, int(BLOB_GRACE_SECONDS)))
                 pipe.srem(self._refs_key(name.decode()), entry_id)
                 pipe.zadd(GC_KEY, {name.decode(): time.time()})
             return bool(pipe.execute()[0])
@@ -113,8 +116,8 @@ class FarmBackend:
             released = {n.decode() for n in names if n is not None}
             pipe = self._client.pipeline(transaction=True)
             self._redis.queue_clear(pipe, ids)
-            for start in range(0, len(ids), COLLECT_BATCH):
-                pipe.delete(*[self._name_key(e) for e in ids[start:start + COLLECT_BATCH]])
+            for entry_id in ids:
+                pipe.expire(self._name_key(entry_id), max(1, int(BLOB_GRACE_SECONDS)))
             now = time.time()
             for name in released:
                 pipe.delete(self._refs_key(name))
