@@ -15,7 +15,7 @@ to the next worker, as a client would retry), the Redis server killed and restar
 and every client connection dropped. Afterwards every entry a worker acknowledged is checked: present, whole
 (checksums) and never served torn; every request that saw a store fault was a full generation.
 
-    python benchmarks/workers.py                       # 4 workers, 6 users x 8 requests, both settings
+    python benchmarks/workers.py                       # 4 workers, 6 users x 8 requests, every setting
     python benchmarks/workers.py --faults --out benchmarks/results/store/workers_faults.json
     python benchmarks/workers.py --settings farm --faults --out benchmarks/results/store/workers_farm.json
 """
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     parser.add_argument("--risk", default="balanced", choices=("safe", "balanced", "aggressive"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weights", default=DEMO_WEIGHTS)
-    parser.add_argument("--settings", default="shared,per_worker")
+    parser.add_argument("--settings", default="shared,farm,per_worker")
     parser.add_argument("--faults", action="store_true", help="break things during the shared and farm runs and "
                                                               "check")
     parser.add_argument("--grace-s", type=float, default=None,
