@@ -175,11 +175,14 @@ class FarmBackend:
         """At open: the released blobs past their grace period, then every file of the folder's own names that no
         entry refers to and that is older than ORPHAN_GRACE_SECONDS (a worker killed between its write and its
         commit, or a temporary of an interrupted write). The young ones are counted in the size limit meanwhile."""
+        return self._redis._guard("reclaim orphan blobs", self._reclaim)
+
+    def _reclaim(self) -> tuple:
         count, freed = self.collect()
         cutoff = time.time() - ORPHAN_GRACE_SECONDS
         files = list(self._folder.files())
         blobs = [(name, size, mtime) for name, size, mtime, blob in files if blob]
-        referenced = self._redis._guard("list its blobs", lambda: self._referenced([name for name, _, _ in blobs]))
+        referenced = self._referenced([name for name, _, _ in blobs])
         young = {}
         for name, size, mtime in blobs:
             if name in referenced:

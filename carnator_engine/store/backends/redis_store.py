@@ -77,17 +77,21 @@ class RedisBackend:
         good: opened the other way, every hit would read a trajectory that is not where it looks."""
         def work():
             with self._client.pipeline(transaction=True) as pipe:
-                pipe.watch(BLOB_FOLDER_KEY, PREFIX + "ids")
-                bound = pipe.get(BLOB_FOLDER_KEY)
-                bound = bound.decode() if bound is not None else ""
-                if bound or not blob_folder:
-                    return bound
-                if pipe.scard(PREFIX + "ids"):
-                    return None
-                pipe.multi()
-                pipe.set(BLOB_FOLDER_KEY, blob_folder)
-                pipe.execute()
-                return blob_folder
+                while True:
+                    try:
+                        pipe.watch(BLOB_FOLDER_KEY, PREFIX + "ids")
+                        bound = pipe.get(BLOB_FOLDER_KEY)
+                        bound = bound.decode() if bound is not None else ""
+                        if bound or not blob_folder:
+                            return bound
+                        if pipe.scard(PREFIX + "ids"):
+                            return None
+                        pipe.multi()
+                        pipe.set(BLOB_FOLDER_KEY, blob_folder)
+                        pipe.execute()
+                        return blob_folder
+                    except self._errors.WatchError:
+                        continue   # another worker bound it or stored an entry first: look again
         bound = self._guard("connect", work)
         if bound is None:
             raise StoreError(f"Carnator cache {self.location!r} holds Redis-only entries (trajectories inside "
