@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -134,6 +135,11 @@ def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list
 
 
 def _validate_request(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> None:
+    for name, tensor in (("sigmas", sigmas), ("noise", noise)):
+        if not torch.is_tensor(tensor) or not tensor.is_floating_point():
+            kind = f"dtype {tensor.dtype}" if torch.is_tensor(tensor) else type(tensor).__name__
+            raise ValueError(f"the {name} are a {kind}, not a floating-point tensor: pass float noise (torch.randn) "
+                             "and float sigmas; nothing was run or stored")
     config.validate(len(sigmas) - 1)
     runner.layout.token_grid(noise.shape)  # raises a clear error for a latent of the wrong shape
     for name, tensor in (("sigmas", sigmas), ("noise", noise)):
@@ -164,6 +170,14 @@ def request_identity(runner, noise: torch.Tensor, sigmas: torch.Tensor) -> tuple
     return bucket, digest.hexdigest()[:32]
 
 
+def hit_replay_key(request_key: str, config: CarnatorConfig) -> str:
+    """The key a hit's entry answers repeats under: the request key with every reuse setting (risk, gate overrides,
+    attention and localization switches, probe length), since a hit's result depends on them as well; a request
+    repeated with other settings goes through the gate again."""
+    settings = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    return hashlib.sha256(f"{request_key}|hit|{settings}".encode()).hexdigest()[:32]
+
+
 def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig,
           identity: Optional[tuple] = None, store: Optional[CarnatorStore] = None) -> ProbeResult:
     """The first steps of the request and its Early Signature; `identity` is request_identity's answer when the
@@ -174,7 +188,7 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     uncacheable = getattr(runner, "uncacheable", "") or ""
     if store is not None and not uncacheable:
         identity = identity or request_identity(runner, noise, sigmas)
-        repeat = _repeated(store, identity)
+        repeat = _repeated(store, identity, config)
         if repeat is not None:
             return ProbeResult(None, None, None, sigmas, config.probe_steps, *identity,
                                time.perf_counter() - started, repeat=repeat)
@@ -192,25 +206,30 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
 
 def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorConfig,
            device: torch.device) -> Optional[GenerationResult]:
-    """The stored result of an earlier full generation of exactly this request (request_identity), with no
-    model call; None when the store has none (or only a corrupt one, which is reported and skipped).
+    """The stored result of an earlier generation of exactly this request (request_identity), with no model call;
+    None when the store has none (or only a corrupt one, which is reported and skipped).
 
-    Only full generations are replayed: their result is the request's own, whatever the risk setting. A
-    request that was itself a hit goes through the probe and the gate again, as any other request.
+    A full generation's result is the request's own, whatever the reuse settings; a hit's result is replayed only
+    for the same reuse settings (hit_replay_key), and a full generation of the request is preferred to it.
     """
     started = time.perf_counter()
-    repeat = _repeated(store, identity)
+    repeat = _repeated(store, identity, config)
     if repeat is None:
         return None
     decision = gate_module.exact_repeat(repeat[0], steps, config.risk)
     return _replayed(repeat[1].to(device), decision, store, {"replay": time.perf_counter() - started})
 
 
-def _repeated(store: CarnatorStore, identity: tuple) -> Optional[tuple]:
-    """(entry id, final latent) of a readable full generation of exactly this request, or None."""
-    record = _read(store, "the exact-repeat check", lambda: store.exact_repeat(*identity))
-    final = _stored_final(store, record.entry_id) if record is not None else None
-    return None if final is None else (record.entry_id, final)
+def _repeated(store: CarnatorStore, identity: tuple, config: CarnatorConfig) -> Optional[tuple]:
+    """(entry id, final latent) of a readable full generation of exactly this request, else of a hit of it with
+    the same reuse settings, or None."""
+    bucket, request_key = identity
+    for key in (request_key, hit_replay_key(request_key, config)):
+        record = _read(store, "the exact-repeat check", lambda: store.exact_repeat(bucket, key))
+        final = _stored_final(store, record.entry_id) if record is not None else None
+        if final is not None:
+            return record.entry_id, final
+    return None
 
 
 def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]:
@@ -270,8 +289,9 @@ def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
                                     reasons=[probed.uncacheable])
     if probed.repeat is not None:
         return gate_module.exact_repeat(probed.repeat[0], probed.steps, config.risk)
-    for candidate in candidates:
-        if candidate.record.replays(probed.request_key):
+    replay_key = hit_replay_key(probed.request_key, config)
+    for candidate in sorted(candidates, key=lambda c: c.record.reused_from is not None):  # full generations first
+        if candidate.record.replays(probed.request_key) or candidate.record.replays(replay_key):
             return gate_module.exact_repeat(candidate.record.entry_id, probed.steps, config.risk, probed.probe_steps)
     decision = gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk,
                                   probed.model_text)
@@ -311,6 +331,9 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
                         lambda: store.trajectory(store.record(decision.entry_id)))
         if payload is None:   # corrupt, missing, or deleted/evicted since the gate chose it
             decision = _full_generation(decision, probed, f"entry {decision.entry_id} could not be read")
+        elif unfit := _unfit(payload, decision, probed):
+            store.report_problem(f"entry {decision.entry_id} {unfit}: this request is generated in full")
+            decision = _full_generation(decision, probed, f"entry {decision.entry_id} does not fit this request")
     keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
                      if s > decision.resume_step)
     observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
@@ -324,6 +347,21 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
     latent = follow_entry(runner, probed, decision, payload, config, observer)
     _record_hit(store, decision)
     return decision, latent, observer, payload.connectivity
+
+
+def _unfit(payload: TrajectoryPayload, decision: gate_module.Decision, probed: ProbeResult) -> str:
+    """Why a chosen entry's trajectory cannot continue this request ("" when it can): a checkpoint the decision
+    resumes from is missing, or its latent shape is not the request's (an entry a bucket should never have held)."""
+    needed = [decision.resume_step] + ([decision.refine_step] if decision.refine_step is not None else [])
+    missing = [step for step in needed if step not in payload.checkpoints]
+    if missing:
+        return f"has no checkpoint at step {missing[0]}"
+    shape = tuple(probed.latent.shape)
+    wrong = [step for step in needed if tuple(payload.checkpoints[step].shape) != shape]
+    if wrong:
+        return (f"holds a latent of shape {list(payload.checkpoints[wrong[0]].shape)} at step {wrong[0]}, but this "
+                f"request's latent has shape {list(shape)}")
+    return ""
 
 
 def _full_generation(decision: gate_module.Decision, probed: ProbeResult, why: str) -> gate_module.Decision:
@@ -369,11 +407,11 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
         entry = dict(bucket=probed.bucket, prompt=prompt, seed=seed, steps=probed.steps, probe_steps=probed.probe_steps,
                      signature=probed.signature, latent_shape=probed.latent.shape,
                      reused_from=decision.entry_id if decision.reuse else None,
+                     replay_key=hit_replay_key(probed.request_key, config) if decision.reuse else "",
                      extra={"decision": {**decision.summary(), **cost}, "bucket": probed.bucket_parts,
                             "model": model_name or runner.model_fingerprint[:12]},
                      request_key=probed.request_key)
-        storing = _queue_write(store, entry, observer.checkpoints, connectivity, None if decision.reuse else latent,
-                               runner.preview(latent))
+        storing = _queue_write(store, entry, observer.checkpoints, connectivity, latent, runner.preview(latent))
     seconds["write_back"] = time.perf_counter() - written   # what the request waits for: copies and queueing
     return GenerationResult(latent, decision, cost["model_calls"], storing, seconds, warnings, cost["steps_run"],
                             cost["step_cache"], cost["step_cache_skipped"])
@@ -382,7 +420,7 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
 def _queue_write(store: CarnatorStore, entry: dict, checkpoints: CheckpointRecorder, connectivity: dict,
                  final: Optional[torch.Tensor], frame: torch.Tensor) -> PendingWrite:
     """Hands the generation to the store's background writer (write_back). Copied now, as the caller may change its
-    tensors once it has them: the final latent (a full generation's; kept to replay an exact repeat) and the preview
+    tensors once it has them: the final latent (kept to replay an exact repeat) and the preview
     frame. Left to the writer: waiting for the checkpoints' device copies, the thumbnail, serialising, the commit."""
     entry_id = new_entry_id()
     final = None if final is None else final.detach().to("cpu", copy=True)

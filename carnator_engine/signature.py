@@ -29,6 +29,29 @@ class EarlySignature:
     denoised: torch.Tensor   # [C, Tg, Hg, Wg]
     attention: torch.Tensor  # [blocks, g, g], rows sum to 1
 
+    def __post_init__(self):
+        """A malformed signature (from the engine API, or stored bytes that parse as tensors) is refused here with
+        what is wrong, not later with a shape error from deep inside a lookup."""
+        shapes = {"hidden": (3, "[probe_steps, blocks, features]"),
+                  "denoised": (4, "[channels, frames, height, width]"),
+                  "attention": (3, "[blocks, g, g]")}
+        for name, (dims, layout) in shapes.items():
+            value = getattr(self, name)
+            if not torch.is_tensor(value) or not value.is_floating_point():
+                kind = f"dtype {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+                raise ValueError(f"Early Signature: {name} is a {kind}, not a floating-point tensor {layout}: build "
+                                 "signatures with SignatureRecorder (the probe)")
+            if value.dim() != dims:
+                raise ValueError(f"Early Signature: {name} has shape {list(value.shape)}, not {layout}: build "
+                                 "signatures with SignatureRecorder (the probe)")
+        if self.hidden.shape[-1] != HIDDEN_FEATURES or min(self.hidden.shape[:2]) < 1 or self.denoised.numel() < 1:
+            raise ValueError(f"Early Signature: hidden has shape {list(self.hidden.shape)} and denoised "
+                             f"{list(self.denoised.shape)}: hidden needs {HIDDEN_FEATURES} features and both must be "
+                             "non-empty: build signatures with SignatureRecorder (the probe)")
+        if self.attention.shape[-1] != self.attention.shape[-2]:
+            raise ValueError(f"Early Signature: attention has shape {list(self.attention.shape)}, not square "
+                             "[blocks, g, g]: build signatures with SignatureRecorder (the probe)")
+
     def to_tensors(self, prefix: str = "signature.") -> dict:
         return {prefix + name: getattr(self, name).contiguous() for name in ("hidden", "denoised", "attention")}
 

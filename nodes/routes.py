@@ -6,9 +6,10 @@
   POST   /carnator/clear[?cache=DIR]   body {"confirm": true} delete every entry of the store
   GET    /carnator/stats[?cache=DIR]                         totals, plus the stores the browser may pick
 
-A request never names a filesystem path the process has not opened itself: `cache` must be one of
-the stores this ComfyUI process opened (nodes/stores.py) or the default store; anything else is a
-400. Entry ids are the store's 16 lowercase hex digits. Errors are JSON: {"error": message, "status"}.
+A request never names a filesystem path Carnator has not opened itself: `cache` must be one of
+the stores this ComfyUI opened (in this run, or remembered from an earlier one: nodes/stores.py) or the
+default store, and a folder is opened only when it carries the store marker; anything else is a 400
+(which never echoes a URL's password). Entry ids are the store's 16 lowercase hex digits. Errors are JSON: {"error": message, "status"}.
 
 The logic (validation, store choice, serialisation) is plain functions, testable without aiohttp;
 the handlers only translate between HTTP and those functions, and run store work off the event loop.
@@ -24,10 +25,11 @@ import sys
 from typing import Optional
 
 from carnator_engine.store.backends import holds_store, is_redis_url
+from carnator_engine.store.backends.redis_store import shown_url
 from carnator_engine.plain import json_safe
-from carnator_engine.store import CarnatorStore, StoreError
+from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore, StoreError
 
-from .stores import default_cache_dir, known_stores, open_store
+from .stores import default_cache_dir, known_stores, open_store, remembered_stores
 
 log = logging.getLogger("carnator.routes")
 
@@ -61,10 +63,16 @@ def _normalise(location: str) -> str:
     return location if is_redis_url(location) else os.path.normpath(os.path.abspath(location))
 
 
+def _shown(cache: str) -> str:
+    """A `cache` parameter as an answer may echo it: a Redis URL without its password."""
+    return shown_url(cache) if is_redis_url(cache) else cache
+
+
 def store_directories() -> list:
-    """The directories a request may name: every store opened by this process, and the default one."""
+    """The directories a request may name: every store opened by this process or remembered from earlier runs
+    (stores.remembered_stores), and the default one."""
     default = _normalise(default_cache_dir())
-    listed = {_normalise(d) for d in known_stores()}
+    listed = {_normalise(d) for d in known_stores()} | {_normalise(d) for d in remembered_stores()}
     listed.add(default)
     return [{"directory": d, "default": d == default} for d in sorted(listed, key=lambda d: (d != default, d))]
 
@@ -87,13 +95,17 @@ def resolve_store(cache: Optional[str]) -> Optional[CarnatorStore]:
     opened = {_normalise(d): store for d, store in known_stores().items()}
     if directory in opened:
         return opened[directory]
-    if directory != default:
-        raise RequestError(400, f"{cache!r} is not a Carnator store of this ComfyUI: pick one of the stores "
-                                "listed by GET /carnator/stats")
-    if not holds_store(directory):
-        return None
+    remembered = {_normalise(d): limit for d, limit in remembered_stores().items()}
+    if directory != default and directory not in remembered:
+        raise RequestError(400, f"{_shown(cache)!r} is not a Carnator store of this ComfyUI: pick one of the "
+                                "stores listed by GET /carnator/stats")
+    if not holds_store(directory):   # a folder only once it carries the store marker: nothing else is opened
+        if directory == default:
+            return None
+        raise RequestError(400, f"{_shown(cache)!r} is no longer a Carnator store (moved or deleted?): pick one of "
+                                "the stores listed by GET /carnator/stats")
     try:
-        return open_store(directory)
+        return open_store(directory, remembered.get(directory, DEFAULT_SIZE_LIMIT))
     except StoreError as error:
         raise RequestError(500, str(error)) from error
 

@@ -2,18 +2,27 @@
 
 One CarnatorStore per location (a store's handles and in-memory index are costly to build and must not be
 duplicated): a directory, or a redis:// / rediss:// URL for a store shared by many workers. The default
-directory lives in ComfyUI's user directory so it survives restarts and updates.
+directory lives in ComfyUI's user directory so it survives restarts and updates. Every store a node opened is
+remembered there (carnator_stores.json: location and size limit, never a password), so that after a restart the
+cache browser can open it again before any prompt has.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import threading
+import uuid
 
-from carnator_engine.store.backends import is_redis_url
+from carnator_engine.store.backends import is_redis_url, refuse_other_urls
+from carnator_engine.store.backends.farm import LOCATION_JOIN
 from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore, StoreError
 
 DEFAULT_SIZE_LIMIT_GB = DEFAULT_SIZE_LIMIT / (1 << 30)   # the Carnator Cache node's default, in GiB
 
+REMEMBERED_FILE = "carnator_stores.json"
+
+log = logging.getLogger("carnator.nodes")
 _lock = threading.Lock()
 _stores: dict = {}
 
@@ -39,6 +48,7 @@ def _key(location: str) -> str:
     location = location.strip()
     if is_redis_url(location):
         return location
+    refuse_other_urls(location)
     directory = os.path.expanduser(location)
     if not directory:
         return os.path.abspath(default_cache_dir())
@@ -52,8 +62,45 @@ def _key(location: str) -> str:
     return joined
 
 
+def remembered_stores() -> dict:
+    """Shown location -> size limit of every store a node of this ComfyUI has opened ({} when none or unreadable)."""
+    try:
+        with open(os.path.join(user_directory(), REMEMBERED_FILE), encoding="utf-8") as handle:
+            value = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {location: limit for location, limit in value.items()
+            if isinstance(location, str) and isinstance(limit, int) and not isinstance(limit, bool)}
+
+
+def _remember(store: CarnatorStore) -> None:
+    """Best effort (the browser only loses a store from its list until a prompt opens it again)."""
+    remembered = remembered_stores()
+    if remembered.get(store.location) == store.size_limit_bytes:
+        return
+    remembered[store.location] = store.size_limit_bytes
+    path = os.path.join(user_directory(), REMEMBERED_FILE)
+    temporary = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(remembered, handle, indent=1, sort_keys=True)
+        os.replace(temporary, path)
+    except OSError as error:
+        log.warning("carnator: could not remember the store %s in %s (%s)", store.location, path, error)
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+
+
 def open_store(location: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT, blob_dir: str = "") -> CarnatorStore:
-    """`blob_dir` (with a redis:// location): the farm layout's shared folder of trajectories."""
+    """`blob_dir` (with a redis:// location): the farm layout's shared folder of trajectories. A farm's shown
+    location (`URL + folder`, as remembered) opens that farm."""
+    if not blob_dir.strip() and is_redis_url(location) and LOCATION_JOIN in location:
+        location, blob_dir = location.split(LOCATION_JOIN, 1)
     key, blob_dir = _key(location), blob_dir.strip()
     with _lock:
         store = _stores.get((key, blob_dir))
@@ -61,6 +108,7 @@ def open_store(location: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT, b
             store = _stores[(key, blob_dir)] = CarnatorStore(key, size_limit_bytes, blob_dir=blob_dir)
         elif store.size_limit_bytes != size_limit_bytes:
             store.set_size_limit(size_limit_bytes)
+        _remember(store)
         return store
 
 

@@ -53,13 +53,27 @@ def test_exact_repeat_needs_every_input_to_match(tiny_model, store):
     assert all(not r.decision.exact_repeat and r.model_calls > 0 for r in others)
 
 
-def test_a_hit_is_never_replayed_as_a_repeat(tiny_model, store):
+def test_a_repeated_hit_is_replayed_exactly_for_the_same_reuse_settings_only(tiny_model, store):
     _run(tiny_model, store, "a red circle moving left", 1)
     hit = _through_the_gate(tiny_model, store, "a red circle moving left", 1, nudge=1e-4)
     assert hit.decision.reuse and not hit.decision.exact_repeat and hit.entry_id
-    assert store.trajectory(store.record(hit.entry_id)).final is None  # a hit's result is not the request's own
     again = _through_the_gate(tiny_model, store, "a red circle moving left", 1, nudge=1e-4)
-    assert again.decision.reuse and not again.decision.exact_repeat and again.model_calls > 2
+    assert again.decision.exact_repeat and again.decision.entry_id == hit.entry_id
+    assert again.model_calls == 2 and torch.equal(again.latent, hit.latent)   # the probe's calls, nothing more
+    assert again.entry_id is None and len(store.records()) == 2              # no duplicate entry
+    other = _through_the_gate(tiny_model, store, "a red circle moving left", 1, nudge=1e-4, risk="safe")
+    assert not other.decision.exact_repeat   # other reuse settings: through the gate again
+
+
+def test_a_hit_repeated_through_generate_makes_no_model_call(tiny_model, store, monkeypatch):
+    _run(tiny_model, store, "a red circle moving left", 1)
+    runner = TinyDiTRunner(tiny_model, "a red circle moving left")
+    hit = generate(runner, _noise(1) * (1 + 1e-4), SIGMAS, store, _config(), "a red circle moving left", 1)
+    assert hit.decision.reuse and not hit.decision.exact_repeat and hit.entry_id
+    monkeypatch.setattr(TinyDiTRunner, "run", lambda *args: pytest.fail("a repeated hit ran the model"))
+    again = generate(runner, _noise(1) * (1 + 1e-4), SIGMAS, store, _config(), "a red circle moving left", 1)
+    assert again.decision.exact_repeat and again.decision.entry_id == hit.entry_id and again.model_calls == 0
+    assert torch.equal(again.latent, hit.latent) and again.entry_id is None and len(store.records()) == 2
 
 
 def test_the_staged_path_answers_an_exact_repeat_after_its_probe(tiny_model, store):

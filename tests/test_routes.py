@@ -12,6 +12,7 @@ from carnator_engine.euler import TinyDiTRunner
 from carnator_engine.pipeline import CarnatorConfig, generate
 from carnator_engine.schedule import flow_sigmas
 from store_damage import set_raw
+from test_store import _put
 
 routes = pytest.importorskip("nodes.routes", reason="nodes.routes does not import here")
 stores = pytest.importorskip("nodes.stores")
@@ -21,6 +22,7 @@ stores = pytest.importorskip("nodes.stores")
 def registry(tmp_path, monkeypatch):
     """A fresh store registry whose default store lives under tmp_path."""
     monkeypatch.setattr(stores, "_stores", {})
+    monkeypatch.setattr(stores, "user_directory", lambda: str(tmp_path / "user"))
     default = str(tmp_path / "default_store")
     monkeypatch.setattr(routes, "default_cache_dir", lambda: default)
     yield default
@@ -71,6 +73,30 @@ def test_cache_parameter_must_name_a_known_store(registry, tmp_path):
     assert not os.path.exists(tmp_path / "default_store")
     listed = [s["directory"] for s in routes.store_directories()]
     assert listed == [os.path.normpath(registry), os.path.normpath(str(tmp_path / "other"))]
+
+
+def test_a_known_store_opens_after_a_restart_and_only_a_proven_one(registry, tmp_path, monkeypatch):
+    other = stores.open_store(str(tmp_path / "other"), 32 << 20)
+    _put(other, 0)
+    other.close()
+    monkeypatch.setattr(stores, "_stores", {})                      # a restart: nothing opened yet
+    reopened = routes.resolve_store(str(tmp_path / "other"))
+    assert reopened is not None and reopened.size_limit_bytes == 32 << 20
+    assert len(routes.list_entries(reopened)["entries"]) == 1
+    assert str(tmp_path / "other") in [s["directory"] for s in routes.store_directories()]
+    reopened.close()
+    monkeypatch.setattr(stores, "_stores", {})
+    (tmp_path / "other" / "carnator-store.json").unlink()            # no longer provably a Carnator store
+    (tmp_path / "other" / "cache.db").unlink()
+    with pytest.raises(routes.RequestError, match="no longer a Carnator store"):
+        routes.resolve_store(str(tmp_path / "other"))
+
+
+def test_a_refused_cache_parameter_never_echoes_a_password(registry):
+    for url in ("redis://:s3cr/et@127.0.0.1:1/0", "redis://user:s3cr%2Fet@127.0.0.1:1/0?x=1"):
+        with pytest.raises(routes.RequestError) as caught:
+            routes.resolve_store(url)
+        assert caught.value.status == 400 and "s3cr" not in caught.value.message
 
 
 def test_json_safe_turns_what_json_cannot_carry_into_null_or_text():

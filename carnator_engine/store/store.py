@@ -93,10 +93,21 @@ class EntryRecord:
     extra: dict = field(default_factory=dict)
     request_key: str = ""  # every input of the request (pipeline.request_identity); "" in entries older than it
     lineage: str = ""      # the full generation this entry descends from through hits (itself for a full one)
+    # A hit's key for repeats of it: its request key with the reuse settings its result depends on
+    # (pipeline.hit_replay_key); "" for a full generation (its request key is its repeat key) and older hits.
+    replay_key: str = ""
 
-    def replays(self, request_key: str) -> bool:
-        """Whether this entry's stored result is exactly that request's own: a full generation (no hit) of it."""
-        return bool(request_key) and self.request_key == request_key and self.reused_from is None
+    @property
+    def repeat_key(self) -> str:
+        """The key under which this entry's stored result is the answer to a repeat ("" when it is none)."""
+        if self.reused_from is None:
+            return self.request_key
+        return self.replay_key
+
+    def replays(self, key: str) -> bool:
+        """Whether this entry's stored result is exactly that request's: a full generation of that request key, or
+        a hit of that replay key."""
+        return bool(key) and self.repeat_key == key
 
     @property
     def benefit(self) -> float:
@@ -150,7 +161,7 @@ def _finite(name: str, tensor: torch.Tensor) -> None:
 
 
 def _indexed(record: EntryRecord) -> IndexedEntry:
-    repeat = record.request_key if record.reused_from is None and record.request_key else None
+    repeat = record.repeat_key or None
     return IndexedEntry(record.bucket, record.size_bytes, record.hits, record.steps_saved, record.corrupt is not None,
                         repeat, record.created, record.last_used, record.root, record.sig_sha256)
 
@@ -219,12 +230,14 @@ class CarnatorStore:
         with self._lock:
             self._cursor = self._backend.cursor()  # before reading: changes made meanwhile are replayed later
             self._signatures.clear()
-            entries, rows, parts = {}, {}, {}
+            entries, rows, parts, unreadable = {}, {}, {}, []
             for entry_id, data in self._backend.metas():
+                if data is None:
+                    continue       # deleted or evicted (by another worker) since the listing began: gone, not corrupt
                 try:
                     record, vector = _decode(data)
                 except ValueError as why:
-                    self._unreadable(entry_id, str(why))
+                    unreadable.append((entry_id, str(why)))
                     continue
                 indexed = entries[entry_id] = _indexed(record)
                 if not indexed.corrupt:
@@ -237,6 +250,8 @@ class CarnatorStore:
             matrices = {bucket: BucketMatrix(ids, np.frombuffer(vectors, np.float16).reshape(len(ids), VECTOR_DIM))
                         for bucket, (ids, vectors) in rows.items()}
             self._index = MemoryIndex.assembled(entries, matrices, parts)
+            for entry_id, why in unreadable:   # once the index exists: removing an entry updates it
+                self._unreadable(entry_id, why)
             self._save_snapshot()
 
     def _save_snapshot(self) -> None:
@@ -329,9 +344,13 @@ class CarnatorStore:
     def put(self, *, bucket: str, prompt: str, seed: int, steps: int, probe_steps: int,
             signature: EarlySignature, payload: TrajectoryPayload, latent_shape, thumbnail: bytes = b"",
             reused_from: Optional[str] = None, extra: Optional[dict] = None, request_key: str = "",
+            replay_key: str = "",
             entry_id: Optional[str] = None) -> str:
         """Stores one entry and returns its id: `entry_id` (new_entry_id(), chosen before a background write so the
         request can name its entry at once) or a new one."""
+        if not isinstance(signature, EarlySignature):
+            raise StoreError(f"signature is a {type(signature).__name__}, not an Early Signature: pass the probe's "
+                             "signature (ProbeResult.signature)")
         try:
             vector = compact_vector(signature)
         except ValueError as error:
@@ -359,7 +378,8 @@ class CarnatorStore:
                 probe_steps=int(probe_steps), checkpoint_steps=sorted(int(s) for s in payload.checkpoints),
                 latent_shape=[int(d) for d in latent_shape], created=now, last_used=now,
                 sig_sha256=_sha256(sig), blob_sha256=_sha256(blob), size_bytes=size,
-                reused_from=reused_from, extra=json_safe(dict(extra or {})), request_key=request_key, lineage=source)
+                reused_from=reused_from, extra=json_safe(dict(extra or {})), request_key=request_key, lineage=source,
+                replay_key=replay_key if reused_from else "")
             meta = _encode(record, vector)
             self._backend.commit(entry, meta, {"sig": sig, "blob": blob, "thumb": thumbnail})
             self._apply(entry, meta)
@@ -432,6 +452,8 @@ class CarnatorStore:
         """Every entry's record, oldest first: the cache browser's listing (lookups use the index instead)."""
         found = []
         for entry_id, data in self._backend.metas():
+            if data is None:
+                continue           # deleted or evicted (by another worker) since the listing began: gone, not corrupt
             try:
                 record, _ = _decode(data)
             except ValueError as why:
@@ -443,7 +465,8 @@ class CarnatorStore:
         return sorted(found, key=lambda r: r.created)
 
     def exact_repeat(self, bucket: str, request_key: str) -> Optional[EntryRecord]:
-        """The newest full generation (no hit) of exactly this request, same bucket and request key, else None."""
+        """The newest entry whose stored result answers exactly this request (EntryRecord.repeat_key: a full
+        generation's request key, a hit's replay key) in the bucket, else None."""
         with self._lock:
             self._sync()
             newest = self._index.newest_repeat(bucket, request_key)

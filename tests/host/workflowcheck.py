@@ -77,10 +77,8 @@ def check_workflow(workflow: dict, classes: dict, check_combos=lambda node_type,
                 problems.append(f"{label}: required input {name} is not connected")
         slots = widget_slots(node_class)
         values = node.get("widgets_values", [])
-        # a workflow saved before a node gained optional widgets at its end has fewer values: those keep defaults
-        optional = {name for name, _, _, widget, required in inputs_of(node_class) if widget and not required}
-        if len(values) < len(slots) and all(name in optional for name, _, _ in slots[len(values):]):
-            slots = slots[:len(values)]
+        # one value per widget, optional ones included: a shipped workflow missing its last values loads with the
+        # node's defaults there, not with the values it means (and a newer widget could shift the others)
         if len(values) != len(slots):
             problems.append(f"{label}: {len(values)} widget values for {len(slots)} widgets "
                             f"({[s[0] for s in slots]})")

@@ -30,6 +30,15 @@ def is_redis_url(location: str) -> bool:
     return location.strip().lower().startswith(REDIS_SCHEMES)
 
 
+def refuse_other_urls(location: str) -> None:
+    """StoreError for a URL of another kind (unix://, http://, ...): it would otherwise name a folder, the URL's
+    password in its name. The message shows the scheme only."""
+    scheme, separator, _ = location.strip().partition("://")
+    if separator and not is_redis_url(location):
+        raise StoreError(f"a {scheme[:20]}:// cache location is not supported: give a folder path, or a Redis "
+                         "store as redis://[:password@]host:port/db (rediss:// for TLS)")
+
+
 def holds_store(location: str) -> bool:
     """Whether a store lives at `location` already, found without creating one: a directory once it carries the
     store marker (or a store from before the marker, which opening adopts); a redis:// URL names a server, which
@@ -42,6 +51,7 @@ def holds_store(location: str) -> bool:
 
 def open_backend(location: str, blob_dir: str = ""):
     """The backend of `location`; with `blob_dir` (a redis:// location only) the farm layout (farm.py)."""
+    refuse_other_urls(location)
     if blob_dir:
         if not is_redis_url(location):
             raise StoreError(f"blob_dir {blob_dir[:200]!r} is for a redis:// cache (the farm layout: index in Redis, "

@@ -16,6 +16,7 @@ import errno
 import itertools
 import os
 import re
+import shutil
 import sqlite3
 import time
 import uuid
@@ -29,13 +30,29 @@ LOG_KEEP = 100_000          # change-log records kept; a reader further behind r
 ORPHAN_GRACE_SECONDS = 600  # a blob without metadata younger than this may be another process's write in flight
 DB_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
 SNAPSHOT_FILE = "index.snapshot"
-SCAN_BATCH = 1000           # metadata rows held at once while listing (a rebuild's memory stays small)
+# Space kept back for the disk's worst day: on a full disk SQLite cannot even open (WAL mode needs its -shm and
+# -wal files) nor commit a delete, so the store could never free space itself. Released to open or delete when
+# the disk is full, written again once a delete has freed space.
+RESERVE_FILE = "space.reserve"
+RESERVE_BYTES = 256 << 10
 # The only names Carnator writes (and so the only ones it deletes): an entry's blob, a write's temporary file.
 ENTRY_ID = re.compile(r"[0-9a-f]{16}")
 BLOB_NAME = re.compile(r"([0-9a-f]{16})\.blob")
 TEMPORARY = r"\.[0-9a-f]{8}\.tmp"     # what _write_file appends to a final name while it writes
 BLOB_TEMPORARY = re.compile(r"([0-9a-f]{16})\.blob" + TEMPORARY)
-SNAPSHOT_TEMPORARY = re.compile(re.escape(SNAPSHOT_FILE) + TEMPORARY)
+ROOT_TEMPORARY = re.compile(f"({re.escape(SNAPSHOT_FILE)}|{re.escape(RESERVE_FILE)})" + TEMPORARY)
+SCAN_BATCH = 1000           # metadata rows held at once while listing (a rebuild's memory stays small)
+
+
+def _disk_full(error: BaseException, directory: str) -> bool:
+    """Whether `error` means no room (SQLite says "disk I/O error" when its -shm cannot grow on a full disk)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        room = shutil.disk_usage(directory).free
+    except OSError:
+        return False
+    return "full" in str(error).lower() or room < RESERVE_BYTES
 
 
 def _advice(error: BaseException) -> str:
@@ -77,12 +94,16 @@ class DiskBackend:
                 raise StoreError(f"Carnator cache directory {directory!r} is not writable "
                                  f"({error.strerror or error}): choose another cache path") from error
         # Everything but blobs stays inside SQLite (atomic with its transaction): no diskcache value files.
-        self._cache = self._guard("open", lambda: diskcache.Cache(
-            directory, size_limit=1 << 62, eviction_policy="none", disk_min_file_size=1 << 30,
-            # A WAL that is checkpointed often and truncated after each checkpoint keeps SQLite's share of the
-            # size limit small (its default grows to 4 MB and stays).
-            sqlite_wal_autocheckpoint=256, sqlite_journal_size_limit=1 << 20))
-        self._guard("open", lambda: self._cache.get("seq"))  # a damaged database fails here, not mid-request
+        def open_database():
+            cache = diskcache.Cache(
+                directory, size_limit=1 << 62, eviction_policy="none", disk_min_file_size=1 << 30,
+                # A WAL that is checkpointed often and truncated after each checkpoint keeps SQLite's share of the
+                # size limit small (its default grows to 4 MB and stays).
+                sqlite_wal_autocheckpoint=256, sqlite_journal_size_limit=1 << 20)
+            cache.get("seq")    # a damaged database fails here, not mid-request
+            return cache
+        self._cache = self._guard("open", lambda: self._with_room(open_database))
+        self._keep_reserve()
         self.identity = self._guard("open", lambda: self._cache.get("store"))
         if self.identity is None:
             self._guard("open", lambda: self._cache.add("store", marked))
@@ -90,6 +111,28 @@ class DiskBackend:
         if self.identity != marked:
             raise StoreError(f"Carnator cache {directory!r}: cache.db belongs to another store than its marker "
                              f"{MARKER_FILE} (copied in from elsewhere?): move one of them away")
+
+    def _with_room(self, work):
+        """work(), retried once with the reserve released when the disk is full."""
+        try:
+            return work()
+        except (OSError, sqlite3.Error) as error:
+            if not _disk_full(error, self.location):
+                raise
+            try:
+                os.remove(os.path.join(self.location, RESERVE_FILE))
+            except FileNotFoundError:
+                raise error from None
+            return work()
+
+    def _keep_reserve(self) -> None:
+        """Best effort: the reserve written back where it is missing (nothing lost if the disk has no room)."""
+        path = os.path.join(self.location, RESERVE_FILE)
+        if not os.path.exists(path):
+            try:
+                self._write_file(path, bytes(RESERVE_BYTES))
+            except OSError:
+                pass
 
     def _guard(self, action: str, work):
         try:
@@ -177,7 +220,9 @@ class DiskBackend:
                     self._log("del", entry_id)
             self._unlink(entry_id)  # after the commit: a crash here leaves an orphan, not a torn entry
             return bool(existed)
-        return self._guard("delete an entry", work)
+        existed = self._guard("delete an entry", lambda: self._with_room(work))
+        self._keep_reserve()
+        return existed
 
     def _unlink(self, entry_id: str) -> None:
         """Removes an entry's blob file; anything else at its name (a folder someone put there) is left alone."""
@@ -201,7 +246,8 @@ class DiskBackend:
                 self._log("clear", "-")
             for entry_id in ids:
                 self._unlink(entry_id)
-        self._guard("clear the cache", work)
+        self._guard("clear the cache", lambda: self._with_room(work))
+        self._keep_reserve()
 
     # ---- reading ---------------------------------------------------------------------------------
 
@@ -308,7 +354,7 @@ class DiskBackend:
         """SQLite's own files (metadata, signatures, thumbnails, log and free pages) and the index snapshot: the
         limit counts them."""
         total = 0
-        for name in DB_FILES + (SNAPSHOT_FILE,):
+        for name in DB_FILES + (SNAPSHOT_FILE, RESERVE_FILE):
             try:
                 total += os.path.getsize(os.path.join(self.location, name))
             except OSError:
@@ -342,7 +388,7 @@ class DiskBackend:
             blob = BLOB_NAME.fullmatch(item.name)
             if blob or BLOB_TEMPORARY.fullmatch(item.name):
                 found.append((item, blob.group(1) if blob else None))
-        found += [(item, None) for item in os.scandir(self.location) if SNAPSHOT_TEMPORARY.fullmatch(item.name)]
+        found += [(item, None) for item in os.scandir(self.location) if ROOT_TEMPORARY.fullmatch(item.name)]
         count = freed = 0
         pending = {}
         cutoff = time.time() - ORPHAN_GRACE_SECONDS

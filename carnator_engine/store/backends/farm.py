@@ -34,6 +34,7 @@ ORPHAN_GRACE_SECONDS = 600   # a file no entry refers to may be a write in fligh
 TOMBSTONE_MS = 30_000        # a collector that dies mid-delete holds up writers of that blob at most this long
 COLLECT_BATCH = 200
 GC_KEY = PREFIX + "gc"
+LOCATION_JOIN = " + "        # a farm's location: its Redis URL (no password), this, its blob folder
 
 
 class FarmBackend:
@@ -43,7 +44,7 @@ class FarmBackend:
         self._client = self._redis._client
         self.identity = self._redis.identity
         self.blob_dir = self._folder.location
-        self.location = f"{self._redis.location} + {self.blob_dir}"
+        self.location = f"{self._redis.location}{LOCATION_JOIN}{self.blob_dir}"
         self._young_files = {}   # name -> bytes: unreferenced files still in their grace period at the last sweep
 
     @staticmethod
@@ -93,37 +94,46 @@ class FarmBackend:
         return self._redis.update(entry_id, change)
 
     def remove(self, entry_id: str) -> bool:
-        def work():
-            name = self._client.get(self._name_key(entry_id))
-            pipe = self._client.pipeline(transaction=True)
+        name = self._redis._guard("delete an entry", lambda: self._client.get(self._name_key(entry_id)))
+
+        def deletions(pipe):
             self._redis.queue_remove(pipe, entry_id)
             if name is not None:
                 # The name outlives the entry by the grace period: a worker that read the metadata just before reads
                 # the file it names, still on disk until then.
                 pipe.expire(self._name_key(entry_id), max(1, int(BLOB_GRACE_SECONDS)))
                 pipe.srem(self._refs_key(name.decode()), entry_id)
-                pipe.zadd(GC_KEY, {name.decode(): time.time()})
-            return bool(pipe.execute()[0])
-        existed = self._redis._guard("delete an entry", work)
+        existed = self._redis._guard("delete an entry", lambda: bool(
+            self._redis.freeing(deletions, "del", entry_id)[0]))
+        if name is not None:
+            self._released([name.decode()])
         self.collect()
         return existed
 
+    def _released(self, names) -> None:
+        """Schedules files that may have lost their last reference for collection. Best effort: over Redis's
+        maxmemory (ZADD refused) they stay unscheduled and the next open's sweep reclaims them as orphans."""
+        try:
+            now = time.time()
+            self._client.zadd(GC_KEY, {name: now for name in names})
+        except self._redis._errors.RedisError:
+            pass
+
     def clear(self) -> None:
         ids = self._redis.entry_ids()
+        names = self._redis._guard("clear the cache", lambda: self._client.mget(
+            [self._name_key(e) for e in ids])) if ids else []
+        released = sorted({n.decode() for n in names if n is not None})
 
-        def work():
-            names = self._client.mget([self._name_key(e) for e in ids]) if ids else []
-            released = {n.decode() for n in names if n is not None}
-            pipe = self._client.pipeline(transaction=True)
+        def deletions(pipe):
             self._redis.queue_clear(pipe, ids)
             for entry_id in ids:
                 pipe.expire(self._name_key(entry_id), max(1, int(BLOB_GRACE_SECONDS)))
-            now = time.time()
             for name in released:
                 pipe.delete(self._refs_key(name))
-                pipe.zadd(GC_KEY, {name: now})
-            pipe.execute()
-        self._redis._guard("clear the cache", work)
+        self._redis._guard("clear the cache", lambda: self._redis.freeing(deletions, "clear", "-"))
+        if released:
+            self._released(released)
 
     # ---- garbage collection ----------------------------------------------------------------------
 

@@ -28,14 +28,21 @@ BATCH = 500
 TIMEOUT_SECONDS = 60   # a Wan-sized blob is tens of MB
 
 
+def split_url(url: str) -> tuple:
+    """(URL for the client without its password, the password or None, the URL as shown). Read by hand, not with
+    urllib: a password often holds '/', '#' or '?' unencoded, which a URL parser takes for the path, fragment or
+    query (and then fails, or shows the password as a path). The user information ends at the last '@'."""
+    scheme, _, rest = url.strip().partition("://")
+    userinfo, at, address = rest.rpartition("@")
+    user, colon, password = userinfo.partition(":") if at else ("", "", "")
+    client = f"{scheme}://{user + '@' if user else ''}{address}"
+    shown = f"{scheme}://{user + '@' if user else ''}{address.partition('?')[0].partition('#')[0]}"
+    return client, urllib.parse.unquote(password) if colon and password else None, shown
+
+
 def shown_url(url: str) -> str:
     """The URL without its password (user name, host, port and database kept)."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or "localhost"
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = (f"{parts.username}@" if parts.username else "") + host + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    return split_url(url)[2]
 
 
 def _stream_id(text) -> tuple:
@@ -58,18 +65,20 @@ class RedisBackend:
             raise StoreError("a redis:// cache needs the redis package: pip install -r requirements-redis.txt "
                              "(or pip install 'comfyui-carnator[redis]')") from None
         self._errors = redis.exceptions
-        self.location = shown_url(url)
-        given = urllib.parse.urlsplit(url).password
-        self._password = urllib.parse.unquote(given) if given else os.environ.get(PASSWORD_VARIABLE) or None
+        client_url, given, self.location = split_url(url)
+        self._password = given or os.environ.get(PASSWORD_VARIABLE) or None
         try:
-            self._client = redis.Redis.from_url(url, password=self._password, socket_timeout=TIMEOUT_SECONDS,
+            self._client = redis.Redis.from_url(client_url, password=self._password, socket_timeout=TIMEOUT_SECONDS,
                                                 socket_connect_timeout=10)
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
             raise StoreError(self._scrub(f"Carnator cache URL {self.location!r} is not valid ({error}): write it "
                                          "as redis://[:password@]host:port/db or rediss:// for TLS")) from None
         self._guard("connect", self._client.ping)
-        self._guard("connect", lambda: self._client.set(PREFIX + "store", uuid.uuid4().hex, nx=True))
-        self.identity = self._guard("connect", lambda: self._client.get(PREFIX + "store")).decode()
+        identity = self._guard("connect", lambda: self._client.get(PREFIX + "store"))
+        if identity is None:   # a new store (a write only then: an existing one opens over maxmemory too)
+            self._guard("connect", lambda: self._client.set(PREFIX + "store", uuid.uuid4().hex, nx=True))
+            identity = self._guard("connect", lambda: self._client.get(PREFIX + "store"))
+        self.identity = identity.decode()
         self._bind(blob_folder)
 
     def _bind(self, blob_folder: str) -> None:
@@ -126,7 +135,7 @@ class RedisBackend:
                            f"(redis://:PASSWORD@host:port/db) or in {PASSWORD_VARIABLE}")
             elif "without any password configured" in text:
                 message = f"a password was given but the server has none ({text}): remove it from the URL"
-            elif "OOM" in text:
+            elif isinstance(error, errors.OutOfMemoryError) or "OOM" in text or "maxmemory" in text:
                 message = f"the server is out of memory ({text}): lower the size limit or raise Redis' maxmemory"
             else:
                 message = f"the server refused ({text})"
@@ -142,6 +151,7 @@ class RedisBackend:
     # ---- writing ---------------------------------------------------------------------------------
 
     def _log(self, pipe, op: str, entry_id: str) -> None:
+        """One change-log record, queued on `pipe` (a transaction, or the client itself)."""
         pipe.xadd(PREFIX + "log", {"op": op, "id": entry_id}, maxlen=LOG_KEEP, approximate=True)
 
     def queue_put(self, pipe, entry_id: str, meta: bytes, parts: dict) -> None:
@@ -181,38 +191,53 @@ class RedisBackend:
                         continue   # another worker changed it first: read it again
         return self._guard("update an entry", work)
 
+    def freeing(self, deletions, op: str, entry_id: str):
+        """Runs `deletions(pipe)` and logs `op` in one transaction; over maxmemory (noeviction), where Redis refuses
+        every command of a transaction, the deletions run one by one instead (DEL and SREM are allowed over the
+        limit), the metadata's first, then the log record once space was freed (skipped if still refused: the
+        other workers find the entry gone at their next read of it). Returns the deletions' replies."""
+        pipe = self._client.pipeline(transaction=True)
+        deletions(pipe)
+        self._log(pipe, op, entry_id)
+        try:
+            return pipe.execute()[:-1]
+        except self._errors.OutOfMemoryError:
+            pass
+        pipe = self._client.pipeline(transaction=False)
+        deletions(pipe)
+        replies = pipe.execute()
+        try:
+            self._log(self._client, op, entry_id)
+        except self._errors.OutOfMemoryError:
+            pass
+        return replies
+
     def queue_remove(self, pipe, entry_id: str) -> None:
-        """Into a MULTI: an entry's metadata and parts; the first result says whether it existed."""
+        """An entry's deletions (for freeing): its metadata first, then its parts."""
         pipe.delete(self._key("meta", entry_id))
         pipe.srem(PREFIX + "ids", entry_id)
         for kind in ("sig", "blob", "thumb"):
             pipe.delete(self._key(kind, entry_id))
-        self._log(pipe, "del", entry_id)
 
     def remove(self, entry_id: str) -> bool:
-        def work():
-            pipe = self._client.pipeline(transaction=True)
-            self.queue_remove(pipe, entry_id)
-            return bool(pipe.execute()[0])
-        return self._guard("delete an entry", work)
+        return self._guard("delete an entry", lambda: bool(
+            self.freeing(lambda pipe: self.queue_remove(pipe, entry_id), "del", entry_id)[0]))
 
     def entry_ids(self) -> list:
         return [i.decode() for i in self._guard("list its entries", lambda: self._client.smembers(PREFIX + "ids"))]
 
     def queue_clear(self, pipe, ids: list) -> None:
-        """Into a MULTI: every entry of `ids` gone, and one "clear" record in the log."""
+        """The deletions of every entry of `ids` (for freeing)."""
         for start in range(0, len(ids), BATCH):
-            pipe.delete(*[self._key(kind, e) for e in ids[start:start + BATCH] for kind in "msbt"])
+            chunk = ids[start:start + BATCH]
+            pipe.delete(*[self._key(kind, e) for kind in "msbt" for e in chunk])
         pipe.delete(PREFIX + "ids")
-        self._log(pipe, "clear", "-")
 
     def clear(self) -> None:
         ids = self.entry_ids()
 
         def work():
-            pipe = self._client.pipeline(transaction=True)
-            self.queue_clear(pipe, ids)
-            pipe.execute()
+            self.freeing(lambda pipe: self.queue_clear(pipe, ids), "clear", "-")
         self._guard("clear the cache", work)
 
     # ---- reading ---------------------------------------------------------------------------------
