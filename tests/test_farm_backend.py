@@ -213,3 +213,20 @@ def test_the_cli_reads_a_farm(farm_store, redis_server, blobs):
                            "--blob-dir", blobs], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert '"entries": 1' in done.stdout and blobs in done.stdout
+
+
+def test_the_cache_browser_reopens_a_farm_after_a_restart(redis_server, blobs, tmp_path, monkeypatch):
+    routes = pytest.importorskip("nodes.routes", reason="nodes.routes does not import here")
+    from nodes import stores
+    monkeypatch.setattr(stores, "_stores", {})
+    monkeypatch.setattr(stores, "user_directory", lambda: str(tmp_path / "user"))
+    opened = stores.open_store(redis_server.url, 32 << 20, blob_dir=blobs)
+    _put(opened, 8)
+    location = opened.location
+    opened.close()
+    monkeypatch.setattr(stores, "_stores", {})                      # a restart: nothing opened yet
+    reopened = routes.resolve_store(location)
+    assert reopened.location == location and reopened.size_limit_bytes == 32 << 20
+    [entry] = routes.list_entries(reopened)["entries"]
+    assert reopened.trajectory(reopened.record(entry["id"])).checkpoints[4][0, 0] == 8.0
+    reopened.close()
