@@ -6,70 +6,78 @@ nothing torn is served, a write that does not fit is refused whole with the reas
 that are not Carnator's are never touched (the backend's own cases, a request's view of a full folder included:
 test_farm_backend.py)."""
 import errno
-import json
+import multiprocessing
 import os
+import signal
 import subprocess
-import sys
 import time
 
-from carnator_engine.store import CarnatorStore
-from test_redis_faults import killed_mid_write
+import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(ROOT, "tests")
-WORKERS, PER_WORKER = 4, 3
-PRELUDE = """
-import errno, json, os, sys, time, torch
-sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 from carnator_engine.store import CarnatorStore, TrajectoryPayload
 from test_store import _signature
-def put(store, seed, elements):
+
+WORKERS, PER_WORKER = 4, 3
+# Workers are forked from this process, which has imported torch and the engine already: a spawned interpreter
+# spends seconds importing them (tens of seconds on a busy 2-core machine) before its first write.
+FORK = multiprocessing.get_context("fork")
+
+
+def _put(store, seed: int, elements: int) -> str:
     latent = torch.full((1, elements), float(seed), dtype=torch.float16)   # its seed in every value: torn shows
     return store.put(bucket="b", prompt="w", seed=seed, steps=10, probe_steps=2, signature=_signature(seed),
-                     payload=TrajectoryPayload({{4: latent}}, {{}}), latent_shape=latent.shape)
-store = CarnatorStore({url!r}, 1 << 40, blob_dir={blobs!r})
-"""
-SHARING = PRELUDE + """
-index, workers, count = {index}, {workers}, {count}
-for k in range(count):
-    print("put", put(store, index * 100 + k, 1 << 18), flush=True)   # 512 KB blobs
-others = {{w * 100 + k for w in range(workers) if w != index for k in range(count)}}
-read, deadline = {{}}, time.time() + 60
-while len(read) < len(others) and time.time() < deadline:   # the others' entries, as they appear
-    for seed in sorted(others - set(read)):
-        found = store.shortlist("b", _signature(seed), 1)
-        record = store.record(found[0]) if found else None
-        if record is not None and record.seed == seed:
-            assert bool((store.trajectory(record).checkpoints[4] == float(seed)).all())
-            read[seed] = record.entry_id
-    time.sleep(0.02)
-print("read", json.dumps({{"read": read, "problems": store.drain_problems()}}), flush=True)
-store.close()
-"""
-WRITER = PRELUDE + """
-for seed in range(10_000):
-    print(put(store, seed, 4 << 20), seed, flush=True)   # 8 MB blobs: a write takes a while
-"""
-FULL = PRELUDE + """
-if {inject!r}:   # no tmpfs here: every fsync of a blob write fails as on a full disk
-    real_fsync = os.fsync
-    def full(descriptor):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    os.fsync = full
-results = []
-for seed in (1, 2):
-    try:
-        entry = put(store, seed, 1 << 20)   # a 2 MB blob does not fit what is left
-    except Exception as error:
-        entry = type(error).__name__ + ": " + str(error)
-    results.append(entry)
-print(json.dumps(results), flush=True)
-store.close()
-"""
+                     payload=TrajectoryPayload({4: latent}, {}), latent_shape=latent.shape)
 
 
-def _script(template: str, url: str, blobs: str, **more) -> list:
-    return [sys.executable, "-c", template.format(root=ROOT, tests=TESTS, url=url, blobs=str(blobs), **more)]
+def _sharing_worker(url: str, blobs: str, index: int, answers) -> None:
+    """Writes its entries, then reads every other worker's as they appear, found through the index."""
+    torch.set_num_threads(1)   # every worker: an OpenMP pool the parent started hangs a forked child that uses it
+    store = CarnatorStore(url, 1 << 40, blob_dir=blobs)
+    written = [_put(store, index * 100 + k, 1 << 18) for k in range(PER_WORKER)]   # 512 KB blobs
+    others = {w * 100 + k for w in range(WORKERS) if w != index for k in range(PER_WORKER)}
+    read, deadline = {}, time.time() + 60
+    while len(read) < len(others) and time.time() < deadline:
+        for seed in sorted(others - set(read)):
+            found = store.shortlist("b", _signature(seed), 1)
+            record = store.record(found[0]) if found else None
+            if record is not None and record.seed == seed:
+                assert bool((store.trajectory(record).checkpoints[4] == float(seed)).all())
+                read[seed] = record.entry_id
+        time.sleep(0.02)
+    answers.put((index, written, read, store.drain_problems()))
+    store.close()
+
+
+def _writer(url: str, blobs: str, answers) -> None:
+    torch.set_num_threads(1)
+    store = CarnatorStore(url, 1 << 40, blob_dir=blobs)
+    for seed in range(10_000):
+        answers.put((_put(store, seed, 4 << 20), seed))   # 8 MB blobs: a write takes a while
+
+
+def _full_writer(url: str, blobs: str, inject: bool, answers) -> None:
+    """Two entries whose 2 MB blobs do not fit what is left of the folder; what each put raised."""
+    torch.set_num_threads(1)
+    if inject:   # no tmpfs here: every fsync fails as on a full disk
+        def full(descriptor):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.fsync = full
+    store = CarnatorStore(url, 1 << 40, blob_dir=blobs)
+    results = []
+    for seed in (1, 2):
+        try:
+            results.append(_put(store, seed, 1 << 20))
+        except Exception as error:  # noqa: BLE001 - what the request's write-back would report
+            results.append(f"{type(error).__name__}: {error}")
+    answers.put(results)
+    store.close()
+
+
+def _run(target, *args):
+    answers = FORK.Queue()
+    process = FORK.Process(target=target, args=(*args, answers))
+    process.start()
+    return process, answers
 
 
 FOREIGN = {"notes.txt": b"mine", "a" * 64 + ".blob.bak": b"mine too", "B" * 64 + ".blob": b"upper case: not ours",
@@ -121,18 +129,20 @@ def _carnator_files(blobs) -> list:
 def test_four_workers_share_their_entries_and_lose_nothing(redis_server, tmp_path):
     blobs = tmp_path / "blobs"
     planted = _marked_folder(redis_server, blobs)
-    workers = [subprocess.Popen(_script(SHARING, redis_server.url, blobs, index=i, workers=WORKERS,
-                                        count=PER_WORKER), stdout=subprocess.PIPE, text=True)
+    answers = FORK.Queue()
+    workers = [FORK.Process(target=_sharing_worker, args=(redis_server.url, str(blobs), i, answers))
                for i in range(WORKERS)]
+    for worker in workers:
+        worker.start()
     written, read = {}, {}
-    for index, worker in enumerate(workers):
-        out, _ = worker.communicate(timeout=120)
-        assert worker.returncode == 0
-        lines = out.splitlines()
-        written.update({line.split()[1]: index for line in lines if line.startswith("put ")})
-        last = json.loads(lines[-1].split(" ", 1)[1])
-        read[index] = last["read"]
-        assert last["problems"] == []
+    for _ in workers:
+        index, mine, seen, problems = answers.get(timeout=120)
+        written.update({entry: index for entry in mine})
+        read[index] = seen
+        assert problems == []
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
     assert len(written) == WORKERS * PER_WORKER
     for index, seen in read.items():   # every worker read every other worker's entries, whole
         assert len(seen) == (WORKERS - 1) * PER_WORKER
@@ -146,7 +156,12 @@ def test_four_workers_share_their_entries_and_lose_nothing(redis_server, tmp_pat
 def test_kill_9_of_a_worker_mid_write_and_of_redis_lose_nothing_acknowledged(redis_server, tmp_path, monkeypatch):
     blobs = tmp_path / "blobs"
     planted = _marked_folder(redis_server, blobs)
-    acknowledged = killed_mid_write(_script(WRITER, redis_server.url, blobs), after=4)
+    writer, answers = _run(_writer, redis_server.url, str(blobs))
+    acknowledged = dict(answers.get(timeout=120) for _ in range(4))
+    time.sleep(0.05)                  # into the fifth write
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join()
+    assert writer.exitcode == -signal.SIGKILL
     stored = _verify_everything(redis_server.url, blobs)
     assert acknowledged.items() <= stored.items() and len(stored) <= 5
     redis_server.stop(kill=True)      # the server dies too: only its append-only file is left
@@ -189,10 +204,9 @@ def test_a_full_blob_folder_costs_the_entries_never_the_store(redis_server, tmp_
         if mounted:
             _fill(blobs)
             planted["filler.bin"] = _state(blobs / "filler.bin")
-        done = subprocess.run(_script(FULL, redis_server.url, blobs, inject=not mounted), capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        results = json.loads(done.stdout.splitlines()[-1])
+        writer, answers = _run(_full_writer, redis_server.url, str(blobs), not mounted)
+        results = answers.get(timeout=60)
+        writer.join(timeout=60)
         assert all(r.startswith("StoreError") and "full" in r for r in results)   # refused with the reason
         assert _verify_everything(redis_server.url, blobs) == before           # nothing half-stored
         assert _carnator_files(blobs) == []                                    # no temporary left behind
