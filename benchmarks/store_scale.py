@@ -367,7 +367,7 @@ def main(argv=None) -> int:
                 write(args.out, rows, None, memory, load, args)   # a run cut short keeps what it measured
             if backend != "disk":
                 import redis
-                redis.Redis.from_url(server.url).flushall()
+                redis.Redis.from_url(server.url, socket_timeout=600).flushall()   # 100k entries: seconds
         if args.blob_repeats:
             blob = blob_transport(server.url, root, args.blob_repeats)
         for layout, count in (("farm", args.memory_entries), ("redis", args.memory_redis_entries)):
