@@ -268,6 +268,8 @@ def main(argv=None) -> int:
     parser.add_argument("--risk", default="balanced", choices=("safe", "balanced", "aggressive"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weights", default=DEMO_WEIGHTS)
+    parser.add_argument("--fixed-seed", action="store_true",
+                        help="each session keeps its first noise seed (ComfyUI's 'fixed' habit: more reuse)")
     parser.add_argument("--settings", default="shared,farm,per_worker")
     parser.add_argument("--faults", action="store_true", help="break things during the shared and farm runs and "
                                                               "check")
@@ -275,7 +277,8 @@ def main(argv=None) -> int:
                         help="the farm's grace periods in seconds (default: the store's own, 60 s and 600 s)")
     parser.add_argument("--out", default="benchmarks/results/store/workers.json")
     args = parser.parse_args(argv)
-    stream = world.iteration_stream(args.users * args.session, seed=args.seed, restart_every=args.session)
+    stream = world.iteration_stream(args.users * args.session, seed=args.seed, restart_every=args.session,
+                                    one_seed_per_session=args.fixed_seed)
     sessions = [stream[u * args.session:(u + 1) * args.session] for u in range(args.users)]
     root = tempfile.mkdtemp(prefix="carnator-workers-")
     context = mp.get_context("spawn")
