@@ -40,9 +40,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _open_store(path: str, size_limit_mb: int):
+def _open_store(args, path: str):
     from .store import CarnatorStore
-    return CarnatorStore(path, size_limit_mb << 20)
+    return CarnatorStore(path, args.size_limit_mb << 20, blob_dir=args.blob_dir)
 
 
 def demo_legend(steps: int, probe_steps: int, attributes: int, names: str) -> str:
@@ -78,7 +78,7 @@ def run_demo(args) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = load_tiny_dit(weights)
     cache_dir = args.cache or tempfile.mkdtemp(prefix="carnator-demo-")
-    store = _open_store(cache_dir, args.size_limit_mb)
+    store = _open_store(args, cache_dir)
     config = CarnatorConfig(probe_steps=args.probe_steps, risk=args.risk, block_size=64)
     sigmas = flow_sigmas(args.steps)
     rows = []
@@ -115,18 +115,18 @@ def run_demo(args) -> int:
     return 0
 
 
-def _existing_store(path: str, size_limit_mb: int):
+def _existing_store(args, path: str):
     """The cache at `path`, or None (after saying so) when there is none: nothing is created."""
     from .store.backends import holds_store
     if not holds_store(path):
         print(f"no Carnator cache at {path} (nothing created): pass --cache the folder of an existing cache",
               file=sys.stderr)
         return None
-    return _open_store(path, size_limit_mb)
+    return _open_store(args, path)
 
 
 def run_stats(args) -> int:
-    store = _existing_store(args.cache, args.size_limit_mb)
+    store = _existing_store(args, args.cache)
     if store is None:
         return 1
     print(json.dumps({**store.stats(), "problems": store.drain_problems()}, indent=2))
@@ -144,7 +144,7 @@ def _confirmed(question: str) -> bool:
 
 
 def run_clear(args) -> int:
-    store = _existing_store(args.cache, args.size_limit_mb)
+    store = _existing_store(args, args.cache)
     if store is None:
         return 1
     count = store.stats()["entries"]
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--size-limit-mb", type=_positive_int, default=DEFAULT_SIZE_LIMIT >> 20,
                          help=f"cache size limit in MiB; least useful entries are evicted beyond it "
                               f"(default {DEFAULT_SIZE_LIMIT >> 20}, as on the Carnator Cache node)")
+        sub.add_argument("--blob-dir", default="", help="farm layout, with a redis:// --cache: the shared folder "
+                                                        "(absolute path, mounted by every worker) that keeps the "
+                                                        "trajectories; empty = everything in Redis")
     return parser
 
 

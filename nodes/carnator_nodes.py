@@ -21,6 +21,7 @@ from comfy_api.latest import ComfyExtension, io, ui
 
 from carnator_engine import pipeline
 from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, SWITCHES, Decision
+from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
 from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, fail,
@@ -199,13 +200,17 @@ class CarnatorCache(io.ComfyNode):
                     "come from CARNATOR_REDIS_PASSWORD).")),
                 io.Float.Input("size_limit_gb", default=DEFAULT_SIZE_LIMIT_GB, min=0.001, max=100000.0, step=0.5,
                                tooltip="Least useful entries are evicted beyond this size (GiB)."),
+                io.String.Input("blob_dir", default="", optional=True, tooltip=(
+                    "Farm layout, with a redis:// cache_dir: the absolute path of a folder on shared storage that "
+                    "every worker mounts; trajectories are kept there and Redis keeps only the index and metadata. "
+                    "Empty = everything in Redis (small setups).")),
             ],
             outputs=[CacheType.Output("cache", display_name="cache", tooltip="The store: connect it to the Carnator "
                                       "Sampler, or to the Signature Cache Lookup and the Trajectory Resume.")],
         )
 
     @classmethod
-    def execute(cls, cache_dir: str, size_limit_gb: float) -> io.NodeOutput:
+    def execute(cls, cache_dir: str, size_limit_gb: float, blob_dir: str = "") -> io.NodeOutput:
         node = "Carnator Cache"
         size = check_number(node, "size_limit_gb", size_limit_gb)
         limit = int(size * (1 << 30))
@@ -214,10 +219,14 @@ class CarnatorCache(io.ComfyNode):
                                               f"{MIN_SIZE_LIMIT / (1 << 30):.4f} GB (1 MiB): raise it")
         if not isinstance(cache_dir, str):
             raise fail(node, "cache_dir", "must be a folder path or a redis:// URL (text)")
+        if not isinstance(blob_dir, str):
+            raise fail(node, "blob_dir", "must be an absolute folder path (text), or empty")
+        if blob_dir.strip() and not is_redis_url(cache_dir):
+            raise fail(node, "blob_dir", "is for a farm: set cache_dir to its redis:// URL, or leave blob_dir empty")
         try:
-            store = open_store(cache_dir, limit)
+            store = open_store(cache_dir, limit, blob_dir)
         except (StoreError, OSError) as error:
-            raise fail(node, "cache_dir", str(error)) from None
+            raise fail(node, "blob_dir" if "blob" in str(error) else "cache_dir", str(error)) from None
         return io.NodeOutput(store)
 
 

@@ -15,6 +15,7 @@ import threading
 import uuid
 
 from carnator_engine.store.backends import is_redis_url, refuse_other_urls
+from carnator_engine.store.backends.farm import LOCATION_JOIN
 from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore, StoreError
 
 DEFAULT_SIZE_LIMIT_GB = DEFAULT_SIZE_LIMIT / (1 << 30)   # the Carnator Cache node's default, in GiB
@@ -95,12 +96,16 @@ def _remember(store: CarnatorStore) -> None:
             pass
 
 
-def open_store(location: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT) -> CarnatorStore:
-    key = _key(location)
+def open_store(location: str = "", size_limit_bytes: int = DEFAULT_SIZE_LIMIT, blob_dir: str = "") -> CarnatorStore:
+    """`blob_dir` (with a redis:// location): the farm layout's shared folder of trajectories. A farm's shown
+    location (`URL + folder`, as remembered) opens that farm."""
+    if not blob_dir.strip() and is_redis_url(location) and LOCATION_JOIN in location:
+        location, blob_dir = location.split(LOCATION_JOIN, 1)
+    key, blob_dir = _key(location), blob_dir.strip()
     with _lock:
-        store = _stores.get(key)
+        store = _stores.get((key, blob_dir))
         if store is None:
-            store = _stores[key] = CarnatorStore(key, size_limit_bytes)
+            store = _stores[(key, blob_dir)] = CarnatorStore(key, size_limit_bytes, blob_dir=blob_dir)
         elif store.size_limit_bytes != size_limit_bytes:
             store.set_size_limit(size_limit_bytes)
         _remember(store)

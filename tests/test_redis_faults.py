@@ -45,20 +45,26 @@ def _verify_everything(url, seeded: bool = False) -> dict:
     return seeds
 
 
-def test_kill_9_mid_write_and_a_server_restart_lose_nothing_acknowledged(redis_server):
-    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(root=ROOT, tests=os.path.join(ROOT, "tests"),
-                                                                   url=redis_server.url)],
-                              stdout=subprocess.PIPE, text=True)
+def killed_mid_write(command: list, after: int) -> dict:
+    """Runs a writer that prints "<entry id> <seed>" per acknowledged entry and kills it with SIGKILL just into the
+    write after the `after`th; the acknowledged {id: seed}."""
+    writer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     acknowledged = {}
     for line in writer.stdout:
         entry, seed = line.split()
         acknowledged[entry] = int(seed)
-        if len(acknowledged) == 6:
-            time.sleep(0.05)          # into the seventh write
+        if len(acknowledged) == after:
+            time.sleep(0.05)          # into the next write
             os.kill(writer.pid, signal.SIGKILL)
             break
     writer.wait()
     assert writer.returncode == -signal.SIGKILL
+    return acknowledged
+
+
+def test_kill_9_mid_write_and_a_server_restart_lose_nothing_acknowledged(redis_server):
+    acknowledged = killed_mid_write([sys.executable, "-c", WRITER.format(
+        root=ROOT, tests=os.path.join(ROOT, "tests"), url=redis_server.url)], after=6)
     stored = _verify_everything(redis_server.url, seeded=True)
     assert acknowledged.items() <= stored.items() and len(stored) <= 7
     redis_server.stop(kill=True)      # the server dies too: only its append-only file is left

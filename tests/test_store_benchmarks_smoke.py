@@ -13,10 +13,16 @@ def test_store_scale_smoke(tmp_path):
     import store_scale
     out = tmp_path / "scale.json"
     assert store_scale.main(["--sizes", "5,20", "--queries", "3", "--puts", "2", "--blob-repeats", "0",
-                             "--root", str(tmp_path), "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["backend"], r["entries"]) for r in rows] == [("disk", 5), ("disk", 20), ("redis", 5), ("redis", 20)]
+                             "--memory-entries", "1", "--memory-redis-entries", "0", "--root", str(tmp_path),
+                             "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["backend"], r["entries"]) for r in rows] == [("disk", 5), ("disk", 20), ("redis", 5), ("redis", 20),
+                                                           ("farm", 5), ("farm", 20)]
     assert all(r["nearest_found"] == "3/3" for r in rows)
+    (memory,) = result["redis_memory"]   # one Wan-1.3B-sized entry: its blob in the folder, not in Redis
+    assert memory["layout"] == "farm" and memory["entry_mb"] > 50 and memory["blob_folder_mb_per_entry"] > 50
+    assert memory["redis_memory_usage_mb_per_entry"] < 1
 
 
 def test_workers_smoke(tmp_path):
@@ -26,7 +32,10 @@ def test_workers_smoke(tmp_path):
     out = tmp_path / "workers.json"
     assert workers.main(["--workers", "2", "--users", "1", "--session", "2", "--steps", "6", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert results["shared"]["requests"] == results["per_worker"]["requests"] == 2
+    assert results["shared"]["requests"] == results["farm"]["requests"] == results["per_worker"]["requests"] == 2
+    check = results["farm"]["check"]
+    assert check["acknowledged"] == 2 and check["acknowledged_lost"] == check["torn_entries"] == 0
+    assert check["blob_files"] >= 1 and check["foreign_files"] == 7 and check["foreign_files_touched"] == []
 
 
 def test_store_scale_reads_rows_against_the_goals():

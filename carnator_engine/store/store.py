@@ -172,10 +172,11 @@ def _bucket_parts(record: EntryRecord) -> Optional[dict]:
 
 
 class CarnatorStore:
-    def __init__(self, location: str, size_limit_bytes: int = DEFAULT_SIZE_LIMIT):
+    def __init__(self, location: str, size_limit_bytes: int = DEFAULT_SIZE_LIMIT, blob_dir: str = ""):
+        """`blob_dir` with a redis:// location: the farm layout (backends/farm.py), trajectories in that folder."""
         _check_size_limit(size_limit_bytes)
         from .backends import open_backend
-        self._backend = open_backend(location)
+        self._backend = open_backend(location, blob_dir)
         self.location = self._backend.location
         self.size_limit_bytes = int(size_limit_bytes)
         self.problems: list = []

@@ -226,6 +226,32 @@ def test_cache_node_on_a_password_redis_shows_the_password_nowhere(comfy, plugin
         server.stop()
 
 
+def test_cache_node_blob_dir_makes_a_farm_whose_hits_cross_workers(comfy, plugin, counted, conds, latent, tmp_path):
+    """The Carnator Cache node's blob_dir: trajectories in that folder, Redis holding the index; a second worker
+    (another store object on the same Redis and folder) hits what the first stored; blob_dir without a redis://
+    cache_dir is an error on blob_dir."""
+    from carnator_engine.store import CarnatorStore
+    from redis_server import RedisServer, require_redis_server
+    require_redis_server()
+    server = RedisServer(str(tmp_path / "redis")).start()
+    blobs = str(tmp_path / "blobs")
+    try:
+        cache = node(comfy, "CarnatorCache")(server.url, 1.0, blobs)[0]
+        assert cache.location == f"{server.url} + {os.path.realpath(blobs)}"
+        positive, negative = conds
+        sampler_output(comfy, counted.model, cache, positive, negative, latent)
+        cache.writer.settle()
+        assert [n for n in os.listdir(blobs) if n.endswith(".blob")]
+        other = CarnatorStore(server.url, 1 << 30, blob_dir=blobs)   # a second worker
+        out = sampler_output(comfy, counted.model, other, nudged(positive), negative, latent)
+        assert json.loads(out.result[1])["reuse"]
+        other.close()
+        with pytest.raises(Exception, match="blob_dir.*redis://"):
+            node(comfy, "CarnatorCache")(str(tmp_path / "disk"), 1.0, blobs)
+    finally:
+        server.stop()
+
+
 def test_sampler_node_replays_an_exact_repeat_with_no_model_call(comfy, plugin, counted, conds, latent, tmp_path):
     from carnator_engine.hosts.comfyui import conditioning_fingerprint
     positive, negative = conds
@@ -558,7 +584,7 @@ def test_unsupported_model_error_names_the_class():
 # since, the Wan 2.2 experts' and the probe's cache, come last and are optional: older saves leave them at default).
 EXPERTS = ["low_noise_model", "switch_step", "boundary_sigma"]
 NODE_INPUTS = {
-    "CarnatorCache": ["cache_dir", "size_limit_gb"],
+    "CarnatorCache": ["cache_dir", "size_limit_gb", "blob_dir"],
     "CarnatorEarlyProbe": ["model", "positive", "negative", "latent_image", "seed", "steps", "cfg", "sampler_name",
                            "scheduler", "probe_steps", "block_size", "cache", *EXPERTS],
     "CarnatorSignatureCacheLookup": ["cache", "probe", "limit"],

@@ -16,7 +16,8 @@ change log so every process sharing the store can keep its in-memory index curre
   (count, bytes), `close()`; `location`: where it lives, safe to show (no password).
 Every failure of the medium is raised as StoreError naming the location and what to do.
 
-Two backends, one file each: `disk` (diskcache + blob files, the default, no server) and `redis_store`.
+Two backends, one file each: `disk` (diskcache + blob files, the default, no server) and `redis_store`; and the
+farm layout `farm` (Redis for the index and metadata, trajectories in a shared `blob_folder`), which composes them.
 """
 from __future__ import annotations
 
@@ -49,8 +50,15 @@ def holds_store(location: str) -> bool:
     return is_marked(location)
 
 
-def open_backend(location: str):
+def open_backend(location: str, blob_dir: str = ""):
+    """The backend of `location`; with `blob_dir` (a redis:// location only) the farm layout (farm.py)."""
     refuse_other_urls(location)
+    if blob_dir:
+        if not is_redis_url(location):
+            raise StoreError(f"blob_dir {blob_dir[:200]!r} is for a redis:// cache (the farm layout: index in Redis, "
+                             "trajectories in the shared folder): give a redis:// URL, or leave blob_dir empty")
+        from .farm import FarmBackend
+        return FarmBackend(location.strip(), blob_dir)
     if is_redis_url(location):
         from .redis_store import RedisBackend
         return RedisBackend(location.strip())

@@ -158,8 +158,10 @@ class DiskBackend:
         self._cache.delete(f"l:{seq - LOG_KEEP}")
 
     @staticmethod
-    def _write_file(final: str, data: bytes) -> None:
-        """Whole or not at all: a temporary file, fsynced, renamed into place, its directory fsynced."""
+    def _write_file(final: str, data: bytes, shared_name: bool = False) -> None:
+        """Whole or not at all: a temporary file, fsynced, renamed into place, its directory fsynced. A failure
+        removes what it wrote; a `shared_name` (farm.py's content-hash names) only the temporary: the final name
+        may be another entry's file of the same bytes."""
         temporary = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with open(temporary, "wb") as handle:
@@ -173,7 +175,7 @@ class DiskBackend:
             finally:
                 os.close(descriptor)
         except BaseException:
-            for path in (temporary, final):
+            for path in (temporary,) if shared_name else (temporary, final):
                 try:
                     os.remove(path)
                 except OSError:

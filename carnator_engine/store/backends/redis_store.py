@@ -52,8 +52,13 @@ def _stream_id(text) -> tuple:
     return int(ms), int(seq or 0)
 
 
+BLOB_FOLDER_KEY = PREFIX + "blob_folder"   # the farm layout's (farm.py): the identity of the store's blob folder
+
+
 class RedisBackend:
-    def __init__(self, url: str):
+    """farm.py composes this backend: its connection, its error translation and its queue_* transaction parts."""
+
+    def __init__(self, url: str, blob_folder: str = ""):
         try:
             import redis
         except ImportError:
@@ -74,6 +79,37 @@ class RedisBackend:
             self._guard("connect", lambda: self._client.set(PREFIX + "store", uuid.uuid4().hex, nx=True))
             identity = self._guard("connect", lambda: self._client.get(PREFIX + "store"))
         self.identity = identity.decode()
+        self._bind(blob_folder)
+
+    def _bind(self, blob_folder: str) -> None:
+        """A store is Redis-only or a farm's (its trajectories in the blob folder of identity `blob_folder`), for
+        good: opened the other way, every hit would read a trajectory that is not where it looks."""
+        def work():
+            with self._client.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        pipe.watch(BLOB_FOLDER_KEY, PREFIX + "ids")
+                        bound = pipe.get(BLOB_FOLDER_KEY)
+                        bound = bound.decode() if bound is not None else ""
+                        if bound or not blob_folder:
+                            return bound
+                        if pipe.scard(PREFIX + "ids"):
+                            return None
+                        pipe.multi()
+                        pipe.set(BLOB_FOLDER_KEY, blob_folder)
+                        pipe.execute()
+                        return blob_folder
+                    except self._errors.WatchError:
+                        continue   # another worker bound it or stored an entry first: look again
+        bound = self._guard("connect", work)
+        if bound is None:
+            raise StoreError(f"Carnator cache {self.location!r} holds Redis-only entries (trajectories inside "
+                             "Redis): leave blob_dir empty for it, or give the farm another database "
+                             "(redis://host:port/1)")
+        if bound != blob_folder:
+            raise StoreError(f"Carnator cache {self.location!r} keeps its trajectories in a shared blob folder "
+                             f"(the farm layout; folder identity {bound[:8]}...): give blob_dir, the folder of that "
+                             "store every worker mounts")
 
     # ---- errors ----------------------------------------------------------------------------------
 
@@ -118,14 +154,19 @@ class RedisBackend:
         """One change-log record, queued on `pipe` (a transaction, or the client itself)."""
         pipe.xadd(PREFIX + "log", {"op": op, "id": entry_id}, maxlen=LOG_KEEP, approximate=True)
 
+    def queue_put(self, pipe, entry_id: str, meta: bytes, parts: dict) -> None:
+        """Into a MULTI: the parts given (the farm layout keeps its blob out of Redis), then the metadata."""
+        for kind in ("sig", "blob", "thumb"):
+            if kind in parts:
+                pipe.set(self._key(kind, entry_id), parts[kind])
+        pipe.set(self._key("meta", entry_id), meta)
+        pipe.sadd(PREFIX + "ids", entry_id)
+        self._log(pipe, "put", entry_id)
+
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
         def work():
             pipe = self._client.pipeline(transaction=True)
-            for kind in ("sig", "blob", "thumb"):
-                pipe.set(self._key(kind, entry_id), parts[kind])
-            pipe.set(self._key("meta", entry_id), meta)
-            pipe.sadd(PREFIX + "ids", entry_id)
-            self._log(pipe, "put", entry_id)
+            self.queue_put(pipe, entry_id, meta, parts)
             pipe.execute()
         self._guard("store an entry", work)
 
@@ -150,7 +191,7 @@ class RedisBackend:
                         continue   # another worker changed it first: read it again
         return self._guard("update an entry", work)
 
-    def _freeing(self, deletions, op: str, entry_id: str):
+    def freeing(self, deletions, op: str, entry_id: str):
         """Runs `deletions(pipe)` and logs `op` in one transaction; over maxmemory (noeviction), where Redis refuses
         every command of a transaction, the deletions run one by one instead (DEL and SREM are allowed over the
         limit), the metadata's first, then the log record once space was freed (skipped if still refused: the
@@ -171,24 +212,32 @@ class RedisBackend:
             pass
         return replies
 
+    def queue_remove(self, pipe, entry_id: str) -> None:
+        """An entry's deletions (for freeing): its metadata first, then its parts."""
+        pipe.delete(self._key("meta", entry_id))
+        pipe.srem(PREFIX + "ids", entry_id)
+        for kind in ("sig", "blob", "thumb"):
+            pipe.delete(self._key(kind, entry_id))
+
     def remove(self, entry_id: str) -> bool:
-        def deletions(pipe):
-            pipe.delete(self._key("meta", entry_id))
-            pipe.srem(PREFIX + "ids", entry_id)
-            for kind in ("sig", "blob", "thumb"):
-                pipe.delete(self._key(kind, entry_id))
-        return self._guard("delete an entry", lambda: bool(self._freeing(deletions, "del", entry_id)[0]))
+        return self._guard("delete an entry", lambda: bool(
+            self.freeing(lambda pipe: self.queue_remove(pipe, entry_id), "del", entry_id)[0]))
+
+    def entry_ids(self) -> list:
+        return [i.decode() for i in self._guard("list its entries", lambda: self._client.smembers(PREFIX + "ids"))]
+
+    def queue_clear(self, pipe, ids: list) -> None:
+        """The deletions of every entry of `ids` (for freeing)."""
+        for start in range(0, len(ids), BATCH):
+            chunk = ids[start:start + BATCH]
+            pipe.delete(*[self._key(kind, e) for kind in "msbt" for e in chunk])
+        pipe.delete(PREFIX + "ids")
 
     def clear(self) -> None:
-        def work():
-            ids = [i.decode() for i in self._client.smembers(PREFIX + "ids")]
+        ids = self.entry_ids()
 
-            def deletions(pipe):
-                for start in range(0, len(ids), BATCH):
-                    chunk = ids[start:start + BATCH]
-                    pipe.delete(*[self._key(kind, e) for kind in "msbt" for e in chunk])
-                pipe.delete(PREFIX + "ids")
-            self._freeing(deletions, "clear", "-")
+        def work():
+            self.freeing(lambda pipe: self.queue_clear(pipe, ids), "clear", "-")
         self._guard("clear the cache", work)
 
     # ---- reading ---------------------------------------------------------------------------------
