@@ -93,11 +93,11 @@ def run_demo(args) -> int:
     json_path = _json_path(args.json)
     model = _load_demo_model(args.weights or DEMO_WEIGHTS)
     cache_dir = args.cache or tempfile.mkdtemp(prefix="carnator-demo-")
+    cache_text = cache_dir if args.cache else "temporary, removed at the end (--cache DIR keeps one)"
     try:
         store = _open_store(cache_dir, args.size_limit_mb)
         try:
-            return _demo_session(args, model, store, config, out_dir, json_path,
-                                 "temporary, removed at the end (--cache DIR keeps one)" if not args.cache else cache_dir)
+            return _demo_session(args, model, store, config, out_dir, json_path, cache_text)
         finally:
             store.close()
     finally:
@@ -166,7 +166,7 @@ def _demo_session(args, model, store, config, out_dir: str, json_path: str, cach
     store.writer.settle()   # the stats count the last requests' entries, written in the background
     if json_path:
         with open(json_path, "w") as handle:
-            json.dump({"rows": rows, "hit_vs_fresh": compared, "store": store.stats()}, handle, indent=2)
+            json.dump({"rows": rows, "hit_vs_fresh": compared, "store": _store_report(store)}, handle, indent=2)
     return 0
 
 
@@ -217,15 +217,20 @@ def run_stats(args) -> int:
         return 1
     try:
         corrupt = _verified_entries(store) if args.verify else None
-        stats = store.stats()
-        repeats = sum(record.repeats for record in store.records(include_corrupt=True))
-        report = {**stats, "hits": stats["hits"] - repeats, "exact_repeats": repeats}
+        report = _store_report(store)
         if corrupt is not None:
             report["corrupt_entries"] = corrupt
         print(json.dumps({**report, "problems": store.drain_problems()}, indent=2))
     finally:
         store.close()
     return 1 if corrupt else 0
+
+
+def _store_report(store) -> dict:
+    """The store's statistics with exact repeats counted apart from gate hits (the store counts both as hits)."""
+    stats = store.stats()
+    repeats = sum(record.repeats for record in store.records(include_corrupt=True))
+    return {**stats, "hits": stats["hits"] - repeats, "exact_repeats": repeats}
 
 
 def _verified_entries(store) -> list:

@@ -101,12 +101,14 @@ def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, 
     assert list(temporary.iterdir()) == []                     # its temporary cache is gone
     written = json.loads(report.read_text())
     assert written["store"]["entries"] == sum(not row["exact_repeat"] for row in written["rows"])  # each one stored
+    assert (written["store"]["hits"], written["store"]["exact_repeats"]) == (1, 1)
     rows = {row["request"]: row for row in written["rows"]}
     repeat = rows["same prompt, same seed"]
     assert repeat["exact_repeat"] and repeat["model_calls"] == 0
     assert rows["size edit"]["reuse"] and not rows["size edit"]["exact_repeat"]
     assert 0 < rows["size edit"]["model_calls"] < DEMO_STEPS
-    assert rows["size edit"]["speedup_vs_cold_miss"].endswith("x") and rows["colour edit"]["speedup_vs_cold_miss"] is None
+    assert rows["size edit"]["speedup_vs_cold_miss"].endswith("x")
+    assert rows["colour edit"]["speedup_vs_cold_miss"] is None
     assert "covers" in rows["colour edit"]["why_miss"]                  # refused: the change is too much of the clip
     assert rows["first request: cold cache"]["why_miss"].startswith("nothing comparable in the cache yet")
     for row in written["rows"]:                                         # a strip per request, and the comparison
