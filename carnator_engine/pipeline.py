@@ -254,7 +254,8 @@ def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: Carnat
 def _record_hit(store: CarnatorStore, decision: gate_module.Decision) -> None:
     """Counts the hit for eviction's benefit; a store that cannot take the count costs the count only."""
     try:
-        store.record_hit(decision.entry_id, steps_saved=decision.steps - decision.model_calls)
+        store.record_hit(decision.entry_id, steps_saved=decision.steps - decision.model_calls,
+                         exact_repeat=decision.exact_repeat)
     except StoreError as error:
         store.report_problem(f"the hit on entry {decision.entry_id} was not counted ({error})")
 

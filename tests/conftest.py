@@ -104,9 +104,17 @@ def pytest_make_collect_report(collector):
         _SKIPPED_MODULES.append(f"{collector.nodeid}: {_skip_reason(report)}")
 
 
+ENABLE_SKIPPED = ("COMFYUI_PATH=/path/to/ComfyUI python -m pytest -q tests (README, Tests: the host, Chromium, Redis and "
+                  "the browser packages; .ci/run installs them all)")
+
+
 def pytest_terminal_summary(terminalreporter):
     for line in _SKIPPED_MODULES:
         terminalreporter.write_line(f"FAILED (CARNATOR_REQUIRE_ALL_TESTS=1, module skipped) {line}", red=True)
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if GPU_SKIP_REASON not in _skip_reason(r)]
+    if skipped:
+        terminalreporter.write_line(f"{len(skipped)} tests skipped for a missing host, browser, Redis or package; "
+                                    f"to run them: {ENABLE_SKIPPED}", yellow=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

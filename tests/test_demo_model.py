@@ -91,19 +91,35 @@ def test_training_from_earlier_weights_records_them(tmp_path):
 
 
 @needs_weights
-def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, capsys, held_writes):
+def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, capsys, held_writes, monkeypatch):
     from carnator_engine.__main__ import main     # held_writes: the last entry is written only if the CLI waits
-    report = tmp_path / "demo.json"
-    assert main(["demo", "--cache", str(tmp_path / "cache"), "--json", str(report)]) == 0
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(temporary))   # where the demo's own cache goes without --cache
+    report, out_dir = tmp_path / "demo.json", tmp_path / "frames"
+    assert main(["demo", "--out", str(out_dir), "--json", str(report)]) == 0
+    assert list(temporary.iterdir()) == []                     # its temporary cache is gone
     written = json.loads(report.read_text())
     assert written["store"]["entries"] == sum(not row["exact_repeat"] for row in written["rows"])  # each one stored
+    assert (written["store"]["hits"], written["store"]["exact_repeats"]) == (1, 1)
     rows = {row["request"]: row for row in written["rows"]}
     repeat = rows["same prompt, same seed"]
     assert repeat["exact_repeat"] and repeat["model_calls"] == 0
     assert rows["size edit"]["reuse"] and not rows["size edit"]["exact_repeat"]
     assert 0 < rows["size edit"]["model_calls"] < DEMO_STEPS
+    assert rows["size edit"]["speedup_vs_cold_miss"].endswith("x")
+    assert rows["colour edit"]["speedup_vs_cold_miss"] is None
+    assert "covers" in rows["colour edit"]["why_miss"]                  # refused: the change is too much of the clip
+    assert rows["first request: cold cache"]["why_miss"].startswith("nothing comparable in the cache yet")
+    for row in written["rows"]:                                         # a strip per request, and the comparison
+        assert open(row["frames"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    compared = written["hit_vs_fresh"]
+    assert compared["request"] == "size edit" and os.path.exists(compared["picture"])
+    assert compared["psnr_db"] > 20                                     # the hit looks like the fresh generation
     out = capsys.readouterr().out
     assert "same prompt, same seed         repeat" in out
+    assert f"    miss: {rows['colour edit']['why_miss']}" in out
+    assert "hit vs fresh (size edit): " in out and str(out_dir) in out
     assert out.rstrip().endswith(cli.demo_legend(DEMO_STEPS, 3, 6, ", ".join(world.ATTRIBUTES)))
 
 
@@ -111,3 +127,14 @@ def test_demo_without_weights_names_the_missing_file(tmp_path, capsys):
     from carnator_engine.__main__ import main
     assert main(["demo", "--weights", str(tmp_path / "none.safetensors")]) == 2
     assert "demo weights not found" in capsys.readouterr().err
+
+
+def test_demo_with_corrupt_weights_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    from carnator_engine.__main__ import main
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a checkpoint at all")
+    assert main(["demo", "--weights", str(broken), "--out", str(tmp_path / "frames")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--weights {broken} is not a readable Carnator tiny DiT checkpoint" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.safetensors"]   # no cache, no frames folder

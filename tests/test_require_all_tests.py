@@ -59,6 +59,8 @@ def test_without_the_switch_skips_stay_skips(tmp_path):
     run = run_pytest(tmp_path, "")
     assert run.returncode == 0, run.stdout
     assert "1 passed" in run.stdout and "skipped" in run.stdout and "failed" not in run.stdout
+    # The run says how many skipped for a missing prerequisite (the GPU test is not counted) and how to run them.
+    assert "3 tests skipped for a missing host, browser, Redis or package; to run them: COMFYUI_PATH=" in run.stdout
 
 
 def test_with_the_switch_only_gpu_tests_may_skip(tmp_path):

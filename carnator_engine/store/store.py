@@ -87,6 +87,7 @@ class EntryRecord:
     blob_sha256: str
     size_bytes: int
     hits: int = 0
+    repeats: int = 0       # of `hits`, the exact repeats answered with this entry's stored result
     steps_saved: int = 0
     reused_from: Optional[str] = None
     corrupt: Optional[str] = None
@@ -404,9 +405,10 @@ class CarnatorStore:
             if self._backend.update(entry_id, rewrite):
                 self._apply(entry_id, self._backend.meta(entry_id))
 
-    def record_hit(self, entry_id: str, steps_saved: int) -> None:
+    def record_hit(self, entry_id: str, steps_saved: int, exact_repeat: bool = False) -> None:
         def hit(record):
             record.hits += 1
+            record.repeats += bool(exact_repeat)
             record.steps_saved += int(steps_saved)
             record.last_used = time.time()
         self._update(entry_id, hit)

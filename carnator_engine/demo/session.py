@@ -1,0 +1,97 @@
+"""The demo's iteration session: its requests, a live progress line, and each decision in plain words."""
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+from ..euler import TinyDiTRunner
+
+_FIRST = {"color": "red", "shape": "circle", "direction": "right", "background": "black", "size": "large",
+          "speed": "slow"}
+# (label, attributes, seed): a creator's first request, then the edits people make next.
+DEMO_SESSION = [
+    ("first request: cold cache", _FIRST, 1),
+    ("same prompt, same seed", _FIRST, 1),
+    ("size edit", {**_FIRST, "size": "small"}, 1),
+    ("colour edit", {**_FIRST, "color": "green"}, 1),
+    ("direction swap (reads alike)", {**_FIRST, "direction": "left"}, 1),
+    ("background change", {**_FIRST, "background": "white"}, 1),
+]
+
+
+class ProgressRunner(TinyDiTRunner):
+    """The demo model's runner, telling `on_call` about each model call as it starts."""
+
+    def __init__(self, model, prompt: str, guidance_scale: float, on_call: Callable[[], None]):
+        super().__init__(model, prompt, guidance_scale=guidance_scale)
+        self.on_call = on_call
+
+    def velocity(self, x, sigma, observer):
+        self.on_call()
+        return super().velocity(x, sigma, observer)
+
+
+class Progress:
+    """One line, rewritten in place while a request runs, on a terminal only (a pipe or a log gets the rows)."""
+
+    def __init__(self, stream, live: bool):
+        self.stream, self.live = stream, live
+        self.text, self.calls, self.shown = "", 0, 0
+
+    def start(self, text: str) -> None:
+        self.text, self.calls = text, 0
+        self._show(f"{text} ...")
+
+    def call(self) -> None:
+        self.calls += 1
+        self._show(f"{self.text}: model call {self.calls}")
+
+    def clear(self) -> None:
+        self._show("")
+
+    def _show(self, line: str) -> None:
+        if not self.live:
+            return
+        self.stream.write("\r" + line.ljust(self.shown) + ("\r" if not line else ""))
+        self.stream.flush()
+        self.shown = len(line)
+
+
+def decision_name(decision) -> str:
+    return "repeat" if decision.exact_repeat else "HIT" if decision.reuse else "miss"
+
+
+def speedup(reference_seconds: float, seconds: float) -> str:
+    """'2.3x': how many times faster than the reference; a request that took no measurable time reads '>999x'."""
+    if seconds <= 0 or reference_seconds / seconds > 999:
+        return ">999x"
+    return f"{reference_seconds / seconds:.1f}x"
+
+
+def miss_in_plain_words(decision, policy) -> str:
+    """Why the gate generated this request in full, in a user's words, from the decision's numbers."""
+    numbers = decision.numbers
+    if not numbers:
+        return "nothing comparable in the cache yet (no earlier generation of this model, size and schedule)"
+    found = []
+    if not numbers["hidden"] <= policy.max_hidden:
+        found.append("the model already reads this prompt differently from the nearest cached one")
+    if not numbers["attention"] <= policy.max_attention:
+        found.append("the model attends to the clip differently")
+    if not (numbers["context"] <= policy.max_context and numbers["context_share"] <= policy.max_context_share):
+        found.append("the early picture differs even outside the part that changes")
+    if not numbers["target_fraction"] <= policy.max_target_fraction:
+        found.append(f"the change covers {numbers['target_fraction']:.0%} of the clip, more than the "
+                     f"{policy.max_target_fraction:.0%} this risk level lets it regenerate on top of a cached clip")
+    if not found:
+        found.append("the part that changes needs so many steps of its own that reuse would save too little")
+    return "; ".join(found)
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+
+
+def first_hit(rows: list) -> Optional[dict]:
+    """The first row the gate answered with a hit (not an exact repeat), or None."""
+    return next((row for row in rows if row["reuse"] and not row["exact_repeat"]), None)
