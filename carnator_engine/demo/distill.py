@@ -3,18 +3,18 @@
     python3 -m carnator_engine.demo.distill --out tiny_dit_4step.safetensors --minutes 5.5
     python3 -m carnator_engine.demo.distill --out /tmp/s.safetensors --smoke      # a CPU check
 
-Recipe (direct trajectory matching, one stage): the teacher is the shipped demo model sampled as it
-samples best (Euler, flow_sigmas(20, shift 3), guidance 2, uncond prompt ""). Every training batch draws
-world prompts (held-out triples excluded, as in train.py) and seeds, runs the teacher's whole 20-step
-trajectory under no_grad and keeps its latents at the student's sigmas: flow_sigmas(4, shift 3) lands
-exactly on every 5th teacher sigma (the shift maps the same t grid), so no interpolation is involved.
-The student, initialised from the teacher, sees the teacher's latent x_a at sigma_a and regresses the
-velocity of one straight Euler step to the teacher's latent at the next student sigma,
-v* = (x_b - x_a) / (sigma_b - sigma_a), at guidance 1 (the guidance is distilled into the weights, as a
-cfg-1 distilled LoRA does). Each teacher batch is reused for `--reuse` optimiser steps over all
-segments. AdamW with warm-up and cosine decay over the time budget, an EMA of the weights, bf16
-autocast on CUDA. The first student step from pure noise then already predicts the clip's layout
-(its x0-hat), which is what Carnator's one-step probe reads at such schedules.
+Recipe (reflow on the teacher's trajectories, one stage): the teacher is the shipped demo model sampled as
+it samples best (Euler, flow_sigmas(20, shift 3), guidance 2, uncond prompt ""). Every training batch draws
+world prompts (held-out triples excluded, as in train.py) and noise, and runs the teacher's whole 20-step
+guided trajectory under no_grad to its end x0_T(noise). The student, initialised from the teacher, learns
+the straight path between the two at guidance 1: x_sigma = (1 - sigma) x0_T + sigma noise, target velocity
+v* = noise - x0_T (the guidance is distilled into the weights, as a cfg-1 distilled LoRA does). Half the
+sigmas are the student's own (flow_sigmas(4, shift 3) without the final 0), half logit-normal as in
+train.py, so 6 and 8 steps work too. A straight path makes few Euler steps exact, and makes the student's
+x0-hat after its first step (x - sigma v at sigma 1) the teacher's final clip for that noise: the clip's
+layout is known after one model call, which is what Carnator's one-step probe reads at such schedules.
+Each teacher batch is reused for `--reuse` optimiser steps, each at fresh sigmas. AdamW with warm-up and
+cosine decay over the time budget, an EMA of the weights, bf16 autocast on CUDA.
 
 At the end the EMA weights, cast to fp16 as shipped, sample held-out random prompts at 4, 6 and 8
 Euler steps and guidance 1; the teacher at 20 steps guidance 2 is scored on the same requests. Weights
@@ -47,38 +47,32 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
-def student_grid(teacher_steps: int, student_steps: int) -> list:
-    """Indices into the teacher's sigmas where the student's sigmas fall (same t grid, same shift)."""
-    if teacher_steps % student_steps:
-        raise ValueError(f"--student-steps {student_steps} must divide --teacher-steps {teacher_steps}: "
-                         "the student's sigmas must be teacher sigmas")
-    stride = teacher_steps // student_steps
-    teacher, student = flow_sigmas(teacher_steps, SHIFT), flow_sigmas(student_steps, SHIFT)
-    grid = [i * stride for i in range(student_steps + 1)]
-    assert torch.allclose(teacher[grid], student, atol=1e-6)
-    return grid
-
-
 def _cat_text(first: tuple, second: tuple) -> tuple:
     return tuple(torch.cat([a, b]) for a, b in zip(first, second))
 
 
 @torch.no_grad()
-def teacher_states(teacher, x: torch.Tensor, text: tuple, empty_text: tuple, steps: int, guidance: float,
-                   keep: list) -> list:
-    """The teacher's guided Euler trajectory from noise x; returns the latents at the indices in `keep`."""
+def teacher_clips(teacher, noise: torch.Tensor, text: tuple, empty_text: tuple, steps: int,
+                  guidance: float) -> torch.Tensor:
+    """The end of the teacher's guided Euler trajectory from `noise` (sigma 1)."""
     sigmas = flow_sigmas(steps, SHIFT)
     both = _cat_text(text, empty_text)
-    kept = [x] if 0 in keep else []
+    x = noise
     for step in range(steps):
         sigma, sigma_next = float(sigmas[step]), float(sigmas[step + 1])
         model_in = torch.cat([x, x])
         v = teacher(model_in, torch.full((model_in.shape[0],), sigma, device=x.device), both).float()
         cond, uncond = v.chunk(2)
         x = x + (sigma_next - sigma) * (uncond + guidance * (cond - uncond))
-        if step + 1 in keep:
-            kept.append(x)
-    return kept
+    return x
+
+
+def training_sigmas(batch: int, student_steps: int, generator: torch.Generator, device) -> torch.Tensor:
+    """Half the student's own sigmas (its final 0 excluded), half logit-normal."""
+    own = flow_sigmas(student_steps, SHIFT)[:-1].to(device)
+    pick = own[torch.randint(0, student_steps, (batch,), generator=generator, device=device)]
+    spread = torch.sigmoid(torch.randn(batch, generator=generator, device=device))
+    return torch.where(torch.rand(batch, generator=generator, device=device) < 0.5, pick, spread)
 
 
 def main(argv=None) -> int:
@@ -92,7 +86,7 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, default=5.5, help="training wall-clock budget")
     parser.add_argument("--smoke", action="store_true", help="a few CPU-sized steps, to check the script")
     parser.add_argument("--batch", type=int, default=256, help="teacher trajectories per batch")
-    parser.add_argument("--reuse", type=int, default=2, help="optimiser steps per teacher batch")
+    parser.add_argument("--reuse", type=int, default=4, help="optimiser steps per teacher batch")
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--ema", type=float, default=0.998)
@@ -107,7 +101,6 @@ def main(argv=None) -> int:
         args.batch, args.warmup, args.minutes, args.reuse = min(args.batch, 2), 2, 0.0, 1
         args.eval_prompts, args.eval_heldout, args.eval_every = 4, 2, 1e9
     json_path = args.json or os.path.splitext(args.out)[0] + ".json"
-    grid = student_grid(args.teacher_steps, args.student_steps)
     device, cuda = training_device(args.device, args.seed)
 
     teacher = load_tiny_dit(args.teacher, str(device)).eval().requires_grad_(False)
@@ -119,13 +112,11 @@ def main(argv=None) -> int:
     parameters = sum(p.numel() for p in student.parameters())
     _log(f"device {device} ({torch.cuda.get_device_name(device) if cuda else 'cpu'}), torch {torch.__version__}, "
          f"{parameters / 1e6:.2f}M parameters; teacher {args.teacher_steps} steps guidance {args.teacher_guidance:g}"
-         f" -> student {args.student_steps} steps guidance 1 (teacher indices {grid})")
+         f" -> student {args.student_steps} steps guidance 1")
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=cuda)
     tokens = prompt_tokens(config.vocabulary, config.text_len, device)
     empty_row = tokens.shape[0] - 1
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    sigmas = flow_sigmas(args.teacher_steps, SHIFT).to(device)
-    segments = args.student_steps
 
     def trajectory_batch():
         codes = world.sample_codes(args.batch, generator, device, heldout="exclude")
@@ -134,17 +125,14 @@ def main(argv=None) -> int:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             text = teacher.text(tokens[rows])
             empty = teacher.text(tokens[torch.full_like(rows, empty_row)])
-            kept = teacher_states(teacher, noise, text, empty, args.teacher_steps, args.teacher_guidance, grid)
-        states = torch.stack(kept).float()                        # [segments + 1, B, C, T, H, W]
-        start_sigma = sigmas[grid[:-1]]
-        gaps = (sigmas[grid[1:]] - start_sigma)[:, None, None, None, None, None]
-        inputs = states[:-1].flatten(0, 1)
-        targets = ((states[1:] - states[:-1]) / gaps).flatten(0, 1)
-        sigma = start_sigma.repeat_interleave(args.batch)
-        return inputs, sigma, targets, rows.repeat(segments)
+            clips = teacher_clips(teacher, noise, text, empty, args.teacher_steps, args.teacher_guidance)
+        return noise, clips.float(), rows
 
     def train_step(step: int, lr: float, batch: tuple) -> torch.Tensor:
-        inputs, sigma, targets, rows = batch
+        noise, clips, rows = batch
+        sigma = training_sigmas(args.batch, args.student_steps, generator, device)
+        s = sigma[:, None, None, None, None]
+        inputs, targets = (1 - s) * clips + s * noise, noise - clips
         for group in optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -199,11 +187,12 @@ def main(argv=None) -> int:
         "model": {"path": os.path.basename(args.out), "parameters": parameters, "dtype": "float16 (EMA)",
                   "bytes": os.path.getsize(args.out), "steps": args.student_steps, "guidance": 1.0,
                   "sampler": "euler", "sigmas": f"flow_sigmas({args.student_steps}, shift={SHIFT:g})"},
-        "recipe": {"method": "direct trajectory matching: student Euler step from the teacher's latent at a student "
-                             "sigma regresses the straight velocity to the teacher's latent at the next student sigma",
+        "recipe": {"method": "reflow: the straight path from each noise to the end of the teacher's trajectory from it, "
+                             "x_sigma = (1 - sigma) x0_T + sigma noise, target v = noise - x0_T, guidance 1",
+                   "sigmas": f"half flow_sigmas({args.student_steps}, shift={SHIFT:g})[:-1], half logit-normal",
                    "teacher": os.path.basename(args.teacher), "teacher_sha256": teacher_sha,
                    "teacher_steps": args.teacher_steps, "teacher_guidance": args.teacher_guidance,
-                   "teacher_indices": grid, "initialised_from": "teacher", "text_dropout": 0.0,
+                   "initialised_from": "teacher", "text_dropout": 0.0,
                    "heldout_triples": [list(t) for t in world.HELDOUT_TRIPLES]},
         "training": {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
                      "seconds": round(train_seconds, 1), "steps": step, "teacher_trajectories": trajectories,
