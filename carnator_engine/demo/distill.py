@@ -91,6 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--ema", type=float, default=0.998)
     parser.add_argument("--eval-steps", default="4,6,8", help="student step counts scored in the report")
+    parser.add_argument("--teacher-eval", default="20:2,4:1",
+                        help="teacher settings scored on the same requests, STEPS:GUIDANCE comma-separated ('' none): "
+                             "how it samples best, and at the student's schedule without distillation")
     parser.add_argument("--eval-prompts", type=int, default=512)
     parser.add_argument("--eval-heldout", type=int, default=256)
     parser.add_argument("--eval-every", type=float, default=60.0, help="seconds between progress evals")
@@ -173,9 +176,13 @@ def main(argv=None) -> int:
 
     random_set, heldout_set = report_requests(args.seed, args.eval_prompts, args.eval_heldout)
     shipped = shipped_copy(ema)
-    reference = {"random": evaluate(teacher.float(), *random_set, guidance=args.teacher_guidance, steps=args.teacher_steps),
-                 "heldout": evaluate(teacher.float(), *heldout_set, guidance=args.teacher_guidance, steps=args.teacher_steps)}
-    _log(f"teacher {args.teacher_steps} steps g={args.teacher_guidance:g}: random {reference['random']}")
+    reference = {}
+    for setting in filter(None, args.teacher_eval.split(",")):
+        steps, guidance = int(setting.split(":")[0]), float(setting.split(":")[1])
+        reference[f"{steps} steps, guidance {guidance:g}"] = {
+            "random": evaluate(teacher.float(), *random_set, guidance=guidance, steps=steps),
+            "heldout": evaluate(teacher.float(), *heldout_set, guidance=guidance, steps=steps)}
+        _log(f"teacher {steps} steps g={guidance:g}: random {reference[f'{steps} steps, guidance {guidance:g}']['random']}")
     by_steps = {}
     for steps in [int(s) for s in args.eval_steps.split(",")]:
         by_steps[str(steps)] = {"random": evaluate(shipped, *random_set, guidance=1.0, steps=steps),
