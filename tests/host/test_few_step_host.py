@@ -3,7 +3,10 @@ Carnator Sampler with its automatic one-step probe, Wan 2.2 A14B's experts at 2+
 schedules refused by the node with nothing stored."""
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 import hostsetup
 from conftest import CallCounter
@@ -50,6 +53,32 @@ def test_a_4_step_lora_run_misses_hits_repeats_and_a_strength_change_is_a_new_bu
     assert any("model" in reason for reason in other["reasons"]), other["reasons"]
     buckets = {cache.record(e).bucket for e in (miss["stored_as"], other["stored_as"])}
     assert len(buckets) == 2                                                   # its own bucket, never the other's
+
+
+@pytest.mark.parametrize("sampler_name, scheduler", [("euler", "beta"), ("euler", "sgm_uniform"), ("lcm", "simple"),
+                                                     ("euler_ancestral", "beta")])
+def test_the_samplers_and_schedules_of_distilled_loras_miss_as_ksampler_and_repeat(comfy, plugin, counted, conds,
+                                                                                   latent, tmp_path, sampler_name,
+                                                                                   scheduler):
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    plain = node(comfy, "KSampler").sample(counted.model, SEED, STEPS, CFG, sampler_name, scheduler, positive,
+                                           negative, latent)[0]
+    counted.take()
+    run = node(comfy, "CarnatorSampler")
+    outputs = []
+    for _ in range(2):
+        out = run(counted.model, cache, positive, negative, latent, SEED, STEPS, CFG, sampler_name, scheduler,
+                  AUTO_PROBE, "balanced", True, 1.0, unique_id="7", prompt=None)
+        cache.writer.settle()
+        outputs.append((out.result[0], json.loads(out.result[1]), counted.take()))
+    (first, miss, miss_calls), (again, repeat, repeat_calls) = outputs
+    assert not miss["reuse"] and miss["probe_steps"] == 1 and miss_calls == STEPS
+    if sampler_name == "euler":
+        assert (first["samples"] - plain["samples"]).abs().max() < 1e-4
+    else:   # known difference: a stochastic sampler split at the probe draws each segment's step noise from the seed
+        assert bool(torch.isfinite(first["samples"]).all())
+    assert repeat["exact_repeat"] and repeat_calls == 0 and torch.equal(again["samples"], first["samples"])
 
 
 def test_wan22_experts_at_2_plus_2_steps_hit_on_the_low_noise_expert(comfy, plugin, experts, conds, latent,  # noqa: F811
