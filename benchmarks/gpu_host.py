@@ -269,7 +269,7 @@ def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed):
     if not decision.reuse:
         raise RuntimeError("the gate rejected the nearly repeated request: " + "; ".join(decision.reasons))
     gate_step = decision.resume_step
-    forced = gate_step != resume_step
+    forced = resume_step is not None and gate_step != resume_step   # None: the gate's own resume step
     if forced:
         if resume_step not in store.record(decision.entry_id).checkpoint_steps:
             raise RuntimeError(f"entry has no checkpoint at step {resume_step}")

@@ -8,6 +8,11 @@ judged by what the model has already started to generate. A candidate is reused 
 - the target cells (recomputed, not copied) are a small enough part of the clip.
 The resume step k shrinks as risk grows, and snaps to a step the entry holds a checkpoint for.
 Every decision carries its numbers and its reasons.
+
+Few-step schedules (at most FEW_STEPS steps: step-distilled LoRAs at cfg 1) are judged by the same limits, but
+each step there is a large part of the request: resuming one step earlier costs 12-25 % of the speed-up, so k is
+the furthest step the risk level allows (few_step_resume_fraction), never shrunk and never preceded by a midway
+refine call; where even that saves fewer than min_saved_steps calls, the gate refuses.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 from .localize import target_cells
 
 RISK_LEVELS = ("safe", "balanced", "aggressive")
+FEW_STEPS = 8   # schedules this short are step-distilled ones: their first step's x0-hat already shows the layout
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,9 @@ class GatePolicy:
     cell_threshold: float        # a cell whose x0-hat difference (noise units) exceeds this is a target cell
     max_target_fraction: float   # beyond this share of the clip, regenerating is the honest choice
     max_resume_fraction: float   # the furthest resume step, as a share of all steps
+    # The same at FEW_STEPS steps or fewer. A distilled model's straight paths make the probe's x0-hat nearly its
+    # final clip, so the target region's jump is accurate from further on; and at 4 steps only k = 3 pays.
+    few_step_resume_fraction: float = 0.75
     min_saved_steps: int = 2     # a hit must save at least this many model calls
     # One model call midway (on the cached latent with the target region jumped there) re-estimates the
     # target region before its jump to k, instead of one long jump from the probe's blurry estimate.
@@ -51,12 +60,17 @@ class GatePolicy:
 
     def validate(self) -> "GatePolicy":
         checks = {"max_hidden": (0, 2), "max_attention": (0, 1), "max_context": (0, 10), "max_context_share": (0, 10),
-                  "cell_threshold": (0, 10), "max_target_fraction": (0, 1), "max_resume_fraction": (0, 1)}
+                  "cell_threshold": (0, 10), "max_target_fraction": (0, 1), "max_resume_fraction": (0, 1),
+                  "few_step_resume_fraction": (0, 1)}
         for name, (low, high) in checks.items():
             value = getattr(self, name)
             if not (low < value <= high) or math.isnan(value):
                 raise ValueError(f"gate setting {name}={value} is outside ({low}, {high}]: "
                                  "use a value in that range or pick a risk level preset")
+        for name in ("max_resume_fraction", "few_step_resume_fraction"):
+            if getattr(self, name) >= 1:
+                raise ValueError(f"gate setting {name}={getattr(self, name)} would resume at the last step, where "
+                                 "no step of the request runs: use a value below 1")
         for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -74,12 +88,31 @@ SWITCHES = tuple(f.name for f in fields(GatePolicy) if f.type == "bool")   # on/
 # shows each input's distribution per kind of edit, benchmarks/quality.py what each preset costs and saves.
 RISK_POLICIES = {
     "safe": GatePolicy(max_hidden=0.010, max_attention=0.08, max_context=0.20, max_context_share=0.40,
-                       cell_threshold=0.30, max_target_fraction=0.35, max_resume_fraction=0.45),
+                       cell_threshold=0.30, max_target_fraction=0.35, max_resume_fraction=0.45,
+                       few_step_resume_fraction=0.6),
     "balanced": GatePolicy(max_hidden=0.020, max_attention=0.12, max_context=0.30, max_context_share=0.50,
-                           cell_threshold=0.35, max_target_fraction=0.50, max_resume_fraction=0.55),
+                           cell_threshold=0.35, max_target_fraction=0.50, max_resume_fraction=0.55,
+                           few_step_resume_fraction=0.75),
     "aggressive": GatePolicy(max_hidden=0.040, max_attention=0.18, max_context=0.40, max_context_share=0.85,
-                             cell_threshold=0.40, max_target_fraction=0.65, max_resume_fraction=0.65),
+                             cell_threshold=0.40, max_target_fraction=0.65, max_resume_fraction=0.65,
+                             few_step_resume_fraction=0.8),
 }
+
+
+def few_step(steps: int) -> bool:
+    return steps <= FEW_STEPS
+
+
+def default_probe_steps(steps: int) -> int:
+    """One probe step at few-step schedules (the distilled first step shows the layout; a second would cost a
+    quarter of a 4-step request), three otherwise."""
+    return 1 if few_step(steps) else 3
+
+
+def furthest_resume(policy: GatePolicy, steps: int) -> int:
+    """The latest step a hit may resume at under this policy: never the last, so the request's own steps finish it."""
+    fraction = policy.few_step_resume_fraction if few_step(steps) else policy.max_resume_fraction
+    return max(0, min(steps - 1, int(fraction * steps)))
 
 
 def policy_for(risk: str, **overrides) -> GatePolicy:
@@ -170,15 +203,21 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
     if any(not value <= limit for _, value, limit in limits):
         return None, None, cells, numbers, reasons
     risk = max(value / limit for _, value, limit in limits[:-1])
-    furthest = int(policy.max_resume_fraction * steps)
-    wanted = probe_steps + int((furthest - probe_steps) * (1.0 - risk)) if policy.shrink_with_risk else furthest
+    furthest = furthest_resume(policy, steps)
+    shrink, refine_target = (False, False) if few_step(steps) else (policy.shrink_with_risk, policy.refine_target)
+    wanted = probe_steps + int((furthest - probe_steps) * (1.0 - risk)) if shrink else furthest
     checkpoints = candidate.record.checkpoint_steps
     available = [s for s in checkpoints if probe_steps < s <= wanted]
     resume = max(available, default=probe_steps)
-    refine = _refine_step(checkpoints, probe_steps, resume) if policy.refine_target and bool(cells.any()) else None
+    refine = _refine_step(checkpoints, probe_steps, resume) if refine_target and bool(cells.any()) else None
     if resume - probe_steps - (refine is not None) < policy.min_saved_steps:
-        reasons.append(f"no checkpoint between step {probe_steps + policy.min_saved_steps} and step {wanted} "
-                       "in this entry: too little to save")
+        if wanted < probe_steps + policy.min_saved_steps:
+            reasons.append(f"resuming at step {wanted} of {steps}, the furthest this risk level allows, would save "
+                           f"fewer than {policy.min_saved_steps} model calls after a {probe_steps}-step probe: "
+                           "reuse cannot pay here")
+        else:
+            reasons.append(f"no checkpoint between step {probe_steps + policy.min_saved_steps} and step {wanted} "
+                           "in this entry: too little to save")
         return None, None, cells, numbers, reasons
     numbers["risk_score"] = round(risk, 4)
     reasons.append(f"risk {risk:.2f} of the limit: resume at step {resume} of {steps}"

@@ -57,6 +57,9 @@ class CarnatorConfig:
         return gate_module.policy_for(self.risk, **self.gate_overrides)
 
     def validate(self, steps: int) -> None:
+        if steps < 2:
+            raise ValueError(f"the schedule has {steps} step(s): Carnator needs at least 2 (a probe step and one the "
+                             "cache can save); raise steps, or sample a one-step schedule without Carnator")
         if not 1 <= self.probe_steps < steps:
             raise ValueError(f"probe_steps={self.probe_steps} must be between 1 and steps-1 ({steps - 1}): "
                              "the probe runs the first steps of the request")
@@ -125,7 +128,7 @@ def _calls(runner, observer: GenerationObserver) -> int:
 
 def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list:
     """Steps whose entering latent an entry keeps: every step a hit could resume at, thinned evenly."""
-    furthest = int(max(p.max_resume_fraction for p in gate_module.RISK_POLICIES.values()) * steps)
+    furthest = max(gate_module.furthest_resume(p, steps) for p in gate_module.RISK_POLICIES.values())
     candidates = list(range(probe_steps + 1, furthest + 1))
     if len(candidates) <= max_checkpoints:
         return candidates

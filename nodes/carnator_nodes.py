@@ -47,7 +47,7 @@ def _probe_input() -> io.Input:
     return ProbeType.Input("probe", tooltip="The request after its probe steps: connect a Carnator Early Probe node.")
 
 
-def _request_inputs(probe_steps_default: int = 3) -> list:
+def _request_inputs(probe_steps_default: int = 0) -> list:
     """model, positive, ..., probe_steps: a request as KSampler takes it, plus the probe's length."""
     return [
         io.Model.Input("model", tooltip="A Wan 2.1/2.2, HunyuanVideo or LTX-Video model (LoRAs and patches are "
@@ -68,8 +68,9 @@ def _request_inputs(probe_steps_default: int = 3) -> list:
                                "heun) resume exactly; multistep ones restart their history at the resume step."),
         io.Combo.Input("scheduler", options=list(comfy.samplers.KSampler.SCHEDULERS), default="simple",
                        tooltip="The sigma schedule, as for KSampler; part of the cache key."),
-        io.Int.Input("probe_steps", default=probe_steps_default, min=1, max=1000,
-                     tooltip="Steps run before the cache is consulted (the Early Signature)."),
+        io.Int.Input("probe_steps", default=probe_steps_default, min=0, max=1000,
+                     tooltip="Steps run before the cache is consulted (the Early Signature). 0 = auto: 1 at 8 "
+                             "steps or fewer (a distilled LoRA's first step already shows the layout), else 3."),
     ]
 
 
@@ -164,8 +165,9 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
     backbone = check_model(node, model)
     latent: PreparedLatent = check_latent(node, model, latent_image, backbone)
     cfg = check_number(node, "cfg", cfg)
-    if cfg < 0:
-        raise fail(node, "cfg", f"cfg={cfg} must be >= 0")
+    if cfg <= 0:
+        raise fail(node, "cfg", f"cfg={cfg:g} must be > 0: 1 runs without guidance (as step-distilled LoRAs do), "
+                                "higher values guide with the negative prompt")
     try:
         runner = ComfyRunner(model, positive, negative, cfg, sampler_name, scheduler=scheduler, steps=int(steps),
                              seed=int(seed), **experts)
@@ -267,7 +269,7 @@ class CarnatorEarlyProbe(io.ComfyNode):
         store = None if cache is None else _check_store(node, cache)
         config = make_config(node, steps, probe_steps, block_size=block_size or _default_block_size(model))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
-                                         sampler_name, scheduler, probe_steps, experts)
+                                         sampler_name, scheduler, config.probe_steps, experts)
         probed = pipeline.probe(runner, noise, runner.sigmas, config, store=store)
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         return io.NodeOutput(ProbeBundle(runner, probed, config, int(seed), prompt_text(graph, unique_id),
@@ -317,7 +319,8 @@ class CarnatorSignatureCacheLookup(io.ComfyNode):
 
 _OVERRIDES = ("max_hidden", "max_attention", "max_context", "cell_threshold", "max_target_fraction",
               "max_resume_fraction")
-_LATER_OVERRIDES = ("max_context_share",)   # after the switches, so saved workflows keep their widget order
+_LATER_OVERRIDES = ("max_context_share", "few_step_resume_fraction")   # after the switches: saved workflows keep
+#                                                                       their widget order
 
 
 class CarnatorCompatibilityGate(io.ComfyNode):
@@ -440,7 +443,7 @@ class CarnatorSampler(io.ComfyNode):
         config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention,
                              max_density=check_attention_density(node, attention_density))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
-                                         sampler_name, scheduler, probe_steps, experts)
+                                         sampler_name, scheduler, config.probe_steps, experts)
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
                                    seed=int(seed), model_name=model_label(graph, unique_id))

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from carnator_engine.gate import RISK_LEVELS
+from carnator_engine.gate import RISK_LEVELS, default_probe_steps
 from carnator_engine.pipeline import CarnatorConfig
 
 log = logging.getLogger("carnator.nodes")
@@ -68,12 +68,16 @@ def check_latent(node: str, model, latent_image, backbone) -> PreparedLatent:
     return PreparedLatent(samples.to(torch.float32), extra)
 
 
-def check_steps(node: str, steps: int, probe_steps: int) -> None:
+def check_steps(node: str, steps: int, probe_steps: int) -> int:
+    """The probe's length, 0 (auto) resolved: 1 at few-step schedules, else 3."""
     if int(steps) < 2:
         raise fail(node, "steps", f"steps={steps}: Carnator needs at least 2 steps (a probe and a remainder)")
+    if int(probe_steps) == 0:
+        probe_steps = min(default_probe_steps(int(steps)), int(steps) - 1)
     if not 1 <= int(probe_steps) < int(steps):
         raise fail(node, "probe_steps", f"probe_steps={probe_steps} must be between 1 and steps-1 ({int(steps) - 1}): "
                                         "the probe runs the first steps of the request; lower probe_steps or raise steps")
+    return int(probe_steps)
 
 
 def check_risk(node: str, risk: str) -> str:
@@ -85,7 +89,7 @@ def check_risk(node: str, risk: str) -> str:
 def make_config(node: str, steps: int, probe_steps: int, risk: str = "balanced", block_size: int = 64,
                 sparse_attention: bool = True, gate_overrides: Optional[dict] = None,
                 max_density: float = 1.0) -> CarnatorConfig:
-    check_steps(node, steps, probe_steps)
+    probe_steps = check_steps(node, steps, probe_steps)
     check_risk(node, risk)
     if int(block_size) < 1:
         raise fail(node, "block_size", f"block_size={block_size} must be >= 1 (64 on CPU, 128 on GPUs)")

@@ -98,13 +98,23 @@ TINY_MODELS = {   # the workflow's diffusion models (UNETLoader / CheckpointLoad
     "carnator_hunyuan_video_t2v.json": {"1": comfy_host.hostsetup.TINY_HUNYUAN},
     "carnator_ltxv_t2v.json": {"1": comfy_host.hostsetup.TINY_LTXV},
     "carnator_wan22_5b_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN22_5B},
+    "carnator_wan21_4step_lora_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN, "12": comfy_host.hostsetup.TINY_LORAS[0]},
+    "carnator_wan22_a14b_4step_lora_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN22_HIGH,
+                                                "2": comfy_host.hostsetup.TINY_WAN22_LOW,
+                                                "15": comfy_host.hostsetup.TINY_LORAS[1],
+                                                "16": comfy_host.hostsetup.TINY_LORAS[2]},
 }
+# The sampler settings each workflow runs with here (default: 10 steps, probe 2, the experts' switch at 5); the
+# few-step ones keep their own schedule and automatic probe, the A14B one its 2+2 split.
+SCHEDULES = {"carnator_wan21_4step_lora_t2v.json": {"steps": 4, "probe_steps": 0},
+             "carnator_wan22_a14b_4step_lora_t2v.json": {"steps": 4, "probe_steps": 0, "switch_step": 2}}
 LAYOUTS = {"carnator_hunyuan_video_t2v.json": "hunyuan_video", "carnator_ltxv_t2v.json": "ltxv"}
 
 
 def tiny_prompt(prompt: dict, name: str, cache_dir: str) -> dict:
     """The frontend's API prompt for `name`, runnable here: tiny diffusion models, the test fixture's conditioning
-    instead of text encoders, a small latent and 10 steps (probe 2, switch 5), SaveLatent instead of decoding.
+    instead of text encoders, tiny LoRAs, a small latent and 10 steps (probe 2, switch 5) unless SCHEDULES says
+    otherwise, SaveLatent instead of decoding.
     A VAE loader becomes the fixture's placeholder VAE: Wan 2.2's latent node requires one but, with no start
     image, never uses it (the placeholder fails any use)."""
     out = {}
@@ -123,8 +133,11 @@ def tiny_prompt(prompt: dict, name: str, cache_dir: str) -> dict:
             inputs.update(width=64, height=64, length=9)
         elif kind == "CarnatorCache":
             inputs["cache_dir"] = cache_dir
+        elif kind == "LoraLoaderModelOnly":
+            inputs["lora_name"] = TINY_MODELS[name][node_id]
         elif kind in ("CarnatorSampler", "CarnatorEarlyProbe"):
-            inputs.update(steps=10, probe_steps=2, **({"switch_step": 5} if "low_noise_model" in inputs else {}))
+            inputs.update(SCHEDULES.get(name) or dict(steps=10, probe_steps=2,
+                                                      **({"switch_step": 5} if "low_noise_model" in inputs else {})))
         if kind in ("CarnatorSampler", "CarnatorTrajectoryResume"):
             out["900"] = {"class_type": "SaveLatent", "inputs": {"samples": [node_id, 0],
                                                                  "filename_prefix": f"carnator_wf/{name[:-5]}"}}

@@ -101,6 +101,38 @@ def eval_requests(n: int, seed: int, heldout: str) -> tuple:
     return attributes, seeds
 
 
+def training_device(name: str, seed: int) -> tuple:
+    """(device, is_cuda), the global seed set and TF32 matmuls allowed on CUDA."""
+    device = torch.device(name)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return device, device.type == "cuda"
+
+
+def report_requests(seed: int, random_prompts: int, heldout_prompts: int) -> tuple:
+    """The final report's two request sets: random prompts (held-out triples included) and held-out ones only."""
+    return eval_requests(random_prompts, seed + 1000, "include"), eval_requests(heldout_prompts, seed + 2000, "only")
+
+
+def learning_rate(base: float, step: int, warmup: int, fraction: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 5 % over the time budget (`fraction` spent)."""
+    return base * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * fraction)))
+
+
+def optimise(model, ema, optimizer, loss: torch.Tensor, step: int, ema_decay: float) -> torch.Tensor:
+    """One clipped AdamW step on `loss`, then the EMA update (its decay warms up over the first steps)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    beta = min(ema_decay, (1 + step) / (10 + step))
+    with torch.no_grad():
+        torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - beta)
+    return loss.detach()
+
+
 def shipped_copy(ema: TinyVideoDiT) -> TinyVideoDiT:
     """The EMA weights rounded through fp16, as load_tiny_dit will see them."""
     model = copy.deepcopy(ema).half().float().eval()
@@ -138,12 +170,7 @@ def main(argv=None) -> int:
         args.eval_prompts, args.eval_heldout, args.steps, args.guidance = 8, 4, 2, "1,2"
         args.dim, args.layers, args.eval_every = 32, 2, 1e9
     json_path = args.json or os.path.splitext(args.out)[0] + ".json"
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    torch.manual_seed(args.seed)
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    device, cuda = training_device(args.device, args.seed)
 
     earlier_stage = None
     if args.init:
@@ -197,15 +224,7 @@ def main(argv=None) -> int:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             text = model.text(tokens[rows])
             v = forward(x_sigma, sigma, text)
-        loss = F.mse_loss(v.float(), noise - x0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        beta = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - beta)
-        return loss.detach()
+        return optimise(model, ema, optimizer, F.mse_loss(v.float(), noise - x0), step, args.ema)
 
     budget = args.minutes * 60.0
     start = time.time()
@@ -218,7 +237,7 @@ def main(argv=None) -> int:
         if (args.smoke and step >= 3) or (not args.smoke and elapsed >= budget):
             break
         fraction = min(1.0, elapsed / budget) if budget > 0 else 1.0
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * fraction)))
+        lr = learning_rate(args.lr, step, args.warmup, fraction)
         try:
             loss = train_step(step, lr)
         except Exception as error:   # a compiler that fails here must not cost the run
@@ -254,8 +273,7 @@ def main(argv=None) -> int:
     _log(f"trained {step} steps, {seen} clips in {train_seconds:.0f}s")
 
     shipped = shipped_copy(ema)
-    random_set = eval_requests(args.eval_prompts, args.seed + 1000, "include")
-    heldout_set = eval_requests(args.eval_heldout, args.seed + 2000, "only")
+    random_set, heldout_set = report_requests(args.seed, args.eval_prompts, args.eval_heldout)
     truth = world.attribute_accuracy(random_set[0], world.analyze_batch(
         world.render_batch(random_set[0], seed=args.seed + 3000)))
     results = {}

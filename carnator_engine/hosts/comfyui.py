@@ -384,8 +384,8 @@ class ComfyRunner:
             raise ValueError(f"unknown sampler_name {sampler_name!r}: choose one of "
                              f"{', '.join(comfy.samplers.KSampler.SAMPLERS)}")
         cfg = float(cfg)
-        if not math.isfinite(cfg) or cfg < 0:
-            raise ValueError(f"cfg={cfg} must be a finite number >= 0")
+        if not math.isfinite(cfg) or cfg <= 0:
+            raise ValueError(f"cfg={cfg} must be a finite number > 0 (1 = no guidance)")
         if sigmas is None:
             if scheduler is None or steps is None:
                 raise ValueError("ComfyRunner needs either sigmas or a scheduler and a step count")

@@ -110,6 +110,31 @@ def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: 
     return name
 
 
+TINY_LORAS = ("carnator_test_wan_4step_lora.safetensors", "carnator_test_wan22_high_4step_lora.safetensors",
+              "carnator_test_wan22_low_4step_lora.safetensors")
+
+
+def build_tiny_lora(directory: str, name: str = TINY_LORAS[0], seed: int = 21, rank: int = 4) -> str:
+    """A rank-4 LoRA for the tiny Wan (dim 256) on every block's self-attention q and v, in the lora_up/lora_down
+    layout step-distillation LoRAs ship in, saved where LoraLoaderModelOnly finds it (the loras folder)."""
+    import safetensors.torch
+    import torch
+    import folder_paths
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        generator = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for block in range(2):
+            for part in ("q", "v"):
+                key = f"diffusion_model.blocks.{block}.self_attn.{part}"
+                tensors[f"{key}.lora_up.weight"] = torch.randn(256, rank, generator=generator) * 0.05
+                tensors[f"{key}.lora_down.weight"] = torch.randn(rank, 256, generator=generator) * 0.05
+        safetensors.torch.save_file(tensors, path)
+    folder_paths.add_model_folder_path("loras", directory)
+    return name
+
+
 TINY_LTXV = "carnator_test_tiny_ltxv.safetensors"
 
 

@@ -1,6 +1,7 @@
 """Saves the host tests' tiny random Wan2.1 T2V model (hostsetup.build_tiny_wan, ComfyUI's own WanModel)
 into a folder, for a ComfyUI server started in another process (tests/comfy_host.py); with --all also a
-two-expert Wan pair, a 48-channel Wan 2.2 TI2V 5B, a HunyuanVideo and an LTX-Video model (the workflow runs).
+two-expert Wan pair, a 48-channel Wan 2.2 TI2V 5B, a HunyuanVideo and an LTX-Video model, and tiny LoRAs for the
+Wan models in the loras folder beside it (the workflow runs).
 
 Run with ComfyUI's python from the ComfyUI root: python make_tiny_wan.py DIRECTORY [--all]; prints the file
 path (the Wan model's last).
@@ -26,4 +27,7 @@ if every:
                  hostsetup.build_tiny_wan(directory, seed=13, name=hostsetup.TINY_WAN22_5B, channels=48),
                  hostsetup.build_tiny_hunyuan(directory), hostsetup.build_tiny_ltxv(directory)):
         print(os.path.join(directory, name))
+    loras = os.path.join(os.path.dirname(directory), "loras")     # models/loras beside models/diffusion_models
+    for seed, name in enumerate(hostsetup.TINY_LORAS):
+        print(os.path.join(loras, hostsetup.build_tiny_lora(loras, name, seed=21 + seed)))
 print(os.path.join(directory, hostsetup.build_tiny_wan(directory)))

@@ -10,7 +10,7 @@ import hostsetup
 from workflowcheck import FRONTEND_ONLY, check_workflow
 
 WORKFLOW = hostsetup.REPO / "workflows" / "carnator_wan21_t2v.json"
-MODEL_FILES = {"unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name", "ckpt_name"}   # names of files the user downloads
+MODEL_FILES = {"unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name", "ckpt_name", "lora_name"}   # names of files the user downloads
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +78,9 @@ WORKFLOWS = sorted(path.name for path in (hostsetup.REPO / "workflows").glob("*.
 
 def test_one_workflow_per_backbone_and_a_staged_chain():
     assert WORKFLOWS == ["carnator_hunyuan_video_t2v.json", "carnator_ltxv_t2v.json",
-                         "carnator_staged_chain_wan21.json", "carnator_wan21_t2v.json", "carnator_wan22_5b_t2v.json",
-                         "carnator_wan22_a14b_t2v.json"]
+                         "carnator_staged_chain_wan21.json", "carnator_wan21_4step_lora_t2v.json",
+                         "carnator_wan21_t2v.json", "carnator_wan22_5b_t2v.json",
+                         "carnator_wan22_a14b_4step_lora_t2v.json", "carnator_wan22_a14b_t2v.json"]
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)
