@@ -232,14 +232,7 @@ class CarnatorStore:
             self._cursor = self._backend.cursor()  # before reading: changes made meanwhile are replayed later
             self._signatures.clear()
             entries, rows, parts, unreadable = {}, {}, {}, []
-            for entry_id, data in self._backend.metas():
-                if data is None:
-                    continue       # deleted or evicted (by another worker) since the listing began: gone, not corrupt
-                try:
-                    record, vector = _decode(data)
-                except ValueError as why:
-                    unreadable.append((entry_id, str(why)))
-                    continue
+            for entry_id, record, vector in self._decoded_metas(unreadable):
                 indexed = entries[entry_id] = _indexed(record)
                 if not indexed.corrupt:
                     ids, vectors = rows.setdefault(record.bucket, ([], bytearray()))
@@ -262,6 +255,19 @@ class CarnatorStore:
             self._backend.save_snapshot(index_snapshot.encode(self._index, self._cursor, self._backend.identity))
         except StoreError as error:
             log.warning("carnator: %s (the next open of the store takes longer)", error)
+
+    def _decoded_metas(self, unreadable: list):
+        """(entry id, record, vector) of every stored entry whose metadata decodes; the others are appended to
+        `unreadable` as (entry id, why), for the caller to remove once it may (the listing is still streaming)."""
+        for entry_id, data in self._backend.metas():
+            if data is None:
+                continue           # deleted or evicted (by another worker) since the listing began: gone, not corrupt
+            try:
+                record, vector = _decode(data)
+            except ValueError as why:
+                unreadable.append((entry_id, str(why)))
+                continue
+            yield entry_id, record, vector
 
     def _unreadable(self, entry_id: str, why: str) -> None:
         """Metadata that does not decode: reported, and the entry removed (it can never be used)."""
@@ -452,18 +458,13 @@ class CarnatorStore:
 
     def records(self, bucket: Optional[str] = None, include_corrupt: bool = False) -> list:
         """Every entry's record, oldest first: the cache browser's listing (lookups use the index instead)."""
-        found = []
-        for entry_id, data in self._backend.metas():
-            if data is None:
-                continue           # deleted or evicted (by another worker) since the listing began: gone, not corrupt
-            try:
-                record, _ = _decode(data)
-            except ValueError as why:
-                with self._lock:
-                    self._unreadable(entry_id, str(why))
-                continue
+        found, unreadable = [], []
+        for _, record, _ in self._decoded_metas(unreadable):
             if (bucket is None or record.bucket == bucket) and (include_corrupt or record.corrupt is None):
                 found.append(record)
+        with self._lock:
+            for entry_id, why in unreadable:
+                self._unreadable(entry_id, why)
         return sorted(found, key=lambda r: r.created)
 
     def exact_repeat(self, bucket: str, request_key: str) -> Optional[EntryRecord]:
