@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -187,8 +188,9 @@ def request_runner(per_request: str, model, prompt: str, sigmas, args):
     return runner, sigmas
 
 
-def run_method(method, requests, model, sigmas, args, text_encoder, reference, fresh_cache_each=None):
-    """Generates every request; returns per-request rows. fresh_cache_each groups requests per cache."""
+def run_method(method, requests, model, sigmas, args, text_encoder, reference, fresh_cache_each=None, scenes=world):
+    """Generates every request; returns per-request rows. fresh_cache_each groups requests per cache; `scenes` is the
+    evaluation world (initial_noise, analyze) whose requests these are."""
     rows, groups = [], fresh_cache_each or [requests]
     base, per_request = split_method(method)
     for group in groups:
@@ -198,7 +200,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
             if method == "text_similarity" else None
         for request in group:
             runner, request_sigmas = request_runner(per_request, model, request.prompt, sigmas, args)
-            noise = world.initial_noise([request.seed])
+            noise = scenes.initial_noise([request.seed])
             started, numbers, exact_repeat = time.perf_counter(), {}, False
             if base == "no_reuse":
                 observer = GenerationObserver()
@@ -222,12 +224,13 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
             key = (request.prompt, request.seed)
             if method == "no_reuse":
                 reference[key] = clip
-            read = world.analyze(clip)
+            read = scenes.analyze(clip)
             rows.append({"prompt": request.prompt, "seed": request.seed, "tags": request.tags,
                          "reused": reused, "exact_repeat": exact_repeat, "resume_step": resume, "gate": numbers, "model_calls": calls, "seconds": seconds,
                          "read": read, "expected": request.attributes,
                          "psnr": psnr(clip, reference[key]), "ssim": ssim(clip, reference[key])})
         store.close()
+        shutil.rmtree(store_dir, ignore_errors=True)   # a long run's entries would fill the disk
     return rows
 
 
@@ -266,17 +269,19 @@ def adversaries(pair_rows: list) -> list:
     return pair_rows[1::2]
 
 
-def summarize(rows, steps, reference_rows):
+def summarize(rows, steps, reference_rows, scenes=world):
+    """One method's figures on its rows, paired with the no_reuse rows of the same requests; `scenes` is the world
+    that scores them (attribute_accuracy, made_wrong, all_right)."""
     rows_scored = list(zip(rows, reference_rows))
     n = len(rows_scored)
-    accuracy = world.attribute_accuracy([r["expected"] for r, _ in rows_scored], [r["read"] for r, _ in rows_scored])
+    accuracy = scenes.attribute_accuracy([r["expected"] for r, _ in rows_scored], [r["read"] for r, _ in rows_scored])
     reused = [(r, ref) for r, ref in rows_scored if r["reused"]]
 
     def wrong(r, ref):
-        return bool(world.made_wrong(r["read"], ref["read"], r["expected"]))
+        return bool(scenes.made_wrong(r["read"], ref["read"], r["expected"]))
 
     def right(row):
-        return world.all_right(row["read"], row["expected"])
+        return scenes.all_right(row["read"], row["expected"])
 
     made_wrong = sum(right(ref) and not right(r) for r, ref in rows_scored)
     made_right = sum(right(r) and not right(ref) for r, ref in rows_scored)
@@ -289,6 +294,7 @@ def summarize(rows, steps, reference_rows):
         "psnr": sum(r["psnr"] for r, _ in rows_scored) / n,
         "ssim": sum(r["ssim"] for r, _ in rows_scored) / n,
         "psnr_on_hits": (sum(r["psnr"] for r, _ in reused) / len(reused)) if reused else None,
+        "ssim_on_hits": (sum(r["ssim"] for r, _ in reused) / len(reused)) if reused else None,
         "attribute_accuracy": accuracy["all"],
         "per_attribute": {k: v for k, v in accuracy.items() if k != "all"},
         "wrong_accepts": sum(wrong(r, ref) for r, ref in reused),
