@@ -31,6 +31,7 @@ the request streams the quality benchmark replays, as world v1's do.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Optional
 
@@ -210,7 +211,8 @@ def random_scene(seed: Optional[int] = None, generator: Optional[torch.Generator
     return decode(sample_codes(1, generator, heldout=heldout))[0]
 
 
-def _word_ids(vocabulary: list, device) -> dict:
+@functools.lru_cache(maxsize=8)   # once per model and device, not at every training step
+def _word_ids(vocabulary: tuple, device) -> dict:
     index = {word: i + 2 for i, word in enumerate(vocabulary)}   # tiny_dit.tokenize: 0 PAD, 1 UNK
     missing = set(VOCABULARY) - set(index)
     if missing:
@@ -228,7 +230,7 @@ def prompt_token_ids(codes: torch.Tensor, vocabulary: list, length: int = TEXT_L
     on the codes' device for training. Objects come in POSITIONS order, or in a random order per scene when a
     generator is given (so the model learns that every order names the same scene)."""
     device = codes.device
-    words = _word_ids(vocabulary, device)
+    words = _word_ids(tuple(vocabulary), device)
     slots = _slots(codes)
     batch, present = codes.shape[0], slots[..., 0] >= 0
     safe = slots.clamp(min=0)
