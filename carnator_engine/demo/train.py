@@ -17,7 +17,8 @@ guidance scales; the analyzer scores each attribute. Weights go to --out (fp16 s
 load_tiny_dit reads), the scores to --json.
 
 The shipped weights came from four runs on one H200, 26.3 minutes in all (benchmarks/results/
-demo_model/demo_model_accuracy.json holds every command, nested under "initialized_from"; eager steps are
+demo_model/demo_model_accuracy.json holds every command, nested under "initialized_from", and
+demo_model_train_stage4_log.txt the last run's log; eager steps are
 launch-bound, so the compiled runs use a 4x batch):
     python3 -m carnator_engine.demo.train --out stage1.safetensors --minutes 6.5
     python3 -m carnator_engine.demo.train --init stage1.safetensors --out stage2.safetensors \
