@@ -74,7 +74,7 @@ def _load_demo_model(path: str):
     from .backbones.tiny_dit import load_tiny_dit
     if not os.path.exists(path):
         raise ValueError(f"demo weights not found at {path}: pass --weights PATH to a Carnator tiny DiT checkpoint "
-                         "(benchmarks/README.md says how to train one)")
+                         "(`python -m carnator_engine.demo.train --help` says how to train one)")
     try:
         return load_tiny_dit(path)
     except Exception as error:  # noqa: BLE001 - any damage to the file: one line that names it, not a traceback

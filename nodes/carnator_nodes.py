@@ -20,13 +20,13 @@ import comfy.samplers
 from comfy_api.latest import ComfyExtension, io, ui
 
 from carnator_engine import pipeline
-from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, SWITCHES, Decision
+from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING_RANGES, SWITCHES, Decision
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
 from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, fail,
                      make_config, model_label, progress_callback, prompt_text, send_decision, summary_text, to_json)
-from .stores import DEFAULT_SIZE_LIMIT_GB, open_store
+from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
 
@@ -214,6 +214,19 @@ class CarnatorCache(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, cache_dir=None):
+        """ComfyUI's check of a prompt before any of its nodes runs: a cache_dir this node would refuse is refused
+        there, before a probe has spent model calls (read-only: nothing is created). A linked cache_dir (None here)
+        is checked when the node runs."""
+        if not isinstance(cache_dir, str):
+            return True
+        try:
+            check_cache_dir(cache_dir)
+        except StoreError as error:
+            return str(fail("Carnator Cache", "cache_dir", str(error)))
+        return True
+
+    @classmethod
     def execute(cls, cache_dir: str, size_limit_gb: float, blob_dir: str = "") -> io.NodeOutput:
         node = "Carnator Cache"
         size = check_number(node, "size_limit_gb", size_limit_gb)
@@ -227,11 +240,21 @@ class CarnatorCache(io.ComfyNode):
             raise fail(node, "blob_dir", "must be an absolute folder path (text), or empty")
         if blob_dir.strip() and not is_redis_url(cache_dir):
             raise fail(node, "blob_dir", "is for a farm: set cache_dir to its redis:// URL, or leave blob_dir empty")
+        if "\x00" in blob_dir:
+            raise fail(node, "blob_dir", f"{blob_dir[:200]!r} holds a NUL character (\\x00), which no folder name "
+                                         "can hold: retype the path")
         try:
             store = open_store(cache_dir, limit, blob_dir)
         except (StoreError, OSError) as error:
-            raise fail(node, "blob_dir" if "blob" in str(error) else "cache_dir", str(error)) from None
+            raise fail(node, _input_at_fault(error, blob_dir), str(error)) from None
         return io.NodeOutput(store)
+
+
+def _input_at_fault(error: Exception, blob_dir: str) -> str:
+    """The Carnator Cache input a store error is about: blob_dir when the farm's blob folder refused (its errors
+    name it first), else cache_dir, whatever the folder names contain."""
+    farm_folder = blob_dir.strip() and str(error).startswith(("blob_dir ", "Carnator blob folder "))
+    return "blob_dir" if farm_folder else "cache_dir"
 
 
 def _expect(node: str, name: str, value, kind: type, source: str):
@@ -325,13 +348,26 @@ _LATER_OVERRIDES = ("max_context_share", "few_step_resume_fraction")   # after t
 #                                                                       their widget order
 
 
+_THRESHOLD_STEP = 0.001
+
+
+def _threshold_input(name: str, balanced: float) -> io.Input:
+    """A gate setting's input, bounded as the gate bounds it (gate.SETTING_RANGES), so that ComfyUI refuses a value
+    outside before any node of the prompt runs; 0 keeps the risk level's preset."""
+    low, high = SETTING_RANGES[name]
+    below = name in BELOW_HIGH
+    allowed = f"({low}, {high})" if below else f"({low}, {high}]"
+    return io.Float.Input(name, default=0.0, min=0.0, max=high - _THRESHOLD_STEP if below else high,
+                          step=_THRESHOLD_STEP, optional=True,
+                          tooltip=f"0 = preset ({balanced} for balanced); otherwise a value in {allowed}")
+
+
 class CarnatorCompatibilityGate(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         balanced = RISK_POLICIES["balanced"]
-        thresholds, later = ([io.Float.Input(name, default=0.0, min=0.0, max=10.0, step=0.001, optional=True,
-                                             tooltip=f"0 = preset ({getattr(balanced, name)} for balanced)")
-                              for name in names] for names in (_OVERRIDES, _LATER_OVERRIDES))
+        thresholds, later = ([_threshold_input(name, getattr(balanced, name)) for name in names]
+                             for names in (_OVERRIDES, _LATER_OVERRIDES))
         return io.Schema(
             node_id="CarnatorCompatibilityGate", display_name="Carnator Compatibility Gate", category=CATEGORY,
             description="Decides, from the model's own early states, whether to reuse a cached trajectory and from "

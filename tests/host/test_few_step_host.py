@@ -110,6 +110,6 @@ def test_bad_few_step_inputs_are_refused_by_the_node_and_nothing_is_stored(comfy
     probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED, STEPS, CFG, "euler",
                                               "simple", AUTO_PROBE, 0)[0]
     matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
-    with pytest.raises(ValueError, match=r"few_step_resume_fraction=1.0 would resume at the last step"):
+    with pytest.raises(ValueError, match=r"few_step_resume_fraction=1.0 is outside \(0, 1\): at 1 or more"):
         node(comfy, "CarnatorCompatibilityGate")(probe, matches, "balanced", few_step_resume_fraction=1.0)
     assert counted.take() == 1 and store_state(cache) == before               # the probe ran; nothing was stored
