@@ -88,8 +88,8 @@ SWITCHES = tuple(f.name for f in fields(GatePolicy) if f.type == "bool")   # on/
 # Thresholds are scale-free (cosines, distribution distances, shares of chance) or in units of the sampler's
 # unit-variance noise. The noise-unit limits alone did not carry to real sizes (see max_context_share); the share of
 # chance does: benchmarks/gate_transfer.py checks the defaults on every backbone at real size. The values were
-# checked in the evaluation world, where the truth of every generated attribute is known: benchmarks/calibrate_gate.py
-# shows each input's distribution per kind of edit, benchmarks/quality.py what each preset costs and saves.
+# checked in the evaluation world, where the truth of every generated attribute is known: benchmarks/quality.py
+# measures what each preset costs and saves, benchmarks/gate_ceiling.py what any gate could save at best.
 RISK_POLICIES = {
     "safe": GatePolicy(max_hidden=0.010, max_attention=0.08, max_context=0.20, max_context_share=0.40,
                        cell_threshold=0.30, max_target_fraction=0.35, max_resume_fraction=0.45,

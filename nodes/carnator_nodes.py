@@ -57,7 +57,9 @@ def _request_inputs(probe_steps_default: int = 0) -> list:
         io.Conditioning.Input("positive", tooltip="What the video should show (the text encoder's output); compared "
                                                   "through the model's early states, never as text."),
         io.Conditioning.Input("negative", tooltip="What the video should avoid, as for KSampler."),
-        io.Latent.Input("latent_image", tooltip="An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1."),
+        io.Latent.Input("latent_image", tooltip="An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1; for "
+                                                "image-to-video, WanImageToVideo's or Wan22ImageToVideoLatent's latent "
+                                                "(the start image is part of the cache key)."),
         io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
                      tooltip="The noise seed. Another seed is another request: it may still reuse a close one."),
         io.Int.Input("steps", default=30, min=2, max=10000,
@@ -179,7 +181,7 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
                                 "higher values guide with the negative prompt")
     try:
         runner = ComfyRunner(model, positive, negative, cfg, sampler_name, scheduler=scheduler, steps=int(steps),
-                             seed=int(seed), **experts)
+                             seed=int(seed), latent_image=latent.samples, noise_mask=latent.noise_mask, **experts)
     except ValueError as error:
         name = getattr(error, "input_name", None) or (
             "sampler_name" if "sampler_name" in str(error) else "scheduler" if "scheduler" in str(error) else "model")
