@@ -38,12 +38,16 @@ sys.path.insert(0, HERE)
 import creator_trace  # noqa: E402
 import quality  # noqa: E402
 import reports  # noqa: E402
+from carnator_engine.demo import DEMO_STEPS, DEMO_WORLDS  # noqa: E402
+from carnator_engine.demo.train import WORLDS  # noqa: E402
 from quality_suite import paired_change  # noqa: E402
 
 RISKS = ("safe", "balanced", "aggressive")
 DEFAULT_RISK = "balanced"
 # look-alike pairs: what reads alike but must not be reused (world.adversarial_pairs kinds)
 LOOK_ALIKE = ("direction", "color", "shape")
+# evaluation world (quality.py --world) -> its TraceWorld; a world joins the trace by adding its adapter here
+TRACE_WORLDS = {"v1": creator_trace.demo_world}
 
 
 def methods(fewer_steps: int) -> dict:
@@ -61,9 +65,8 @@ def methods(fewer_steps: int) -> dict:
 
 def requests_of(args, habit: str) -> tuple:
     """(trace requests, look-alike pairs) of one seed habit."""
-    from carnator_engine.demo import world
-    trace = creator_trace.generate_trace(creator_trace.demo_world(), args.requests, args.seed, habit)
-    pairs = world.adversarial_pairs(args.pairs, seed=args.seed + 1, kinds=LOOK_ALIKE) if args.pairs else []
+    trace = creator_trace.generate_trace(TRACE_WORLDS[args.world](), args.requests, args.seed, habit)
+    pairs = WORLDS[args.world].adversarial_pairs(args.pairs, seed=args.seed + 1, kinds=LOOK_ALIKE) if args.pairs else []
     return trace, pairs
 
 
@@ -85,11 +88,11 @@ def run_one(args, habit: str, name: str, reference: dict) -> dict:
     return rows
 
 
-def summary(rows: dict, reference_rows: dict, steps: int) -> dict:
+def summary(rows: dict, reference_rows: dict, steps: int, world) -> dict:
     """A method's figures on one habit: quality.summarize's, the paired change with its interval, amortized speedups,
     hit quality, and per operation of the trace its hits and wrong accepts."""
     trace, ref = rows["trace"], reference_rows["trace"]
-    s = quality.summarize(trace, steps, ref)
+    s = quality.summarize(trace, steps, ref, world)
     change, low, high = paired_change(s["made_wrong"], s["made_right"], s["requests"])
     calls = sum(r["model_calls"] for r in trace)
     s.update(change=change, change_low=low, change_high=high,
@@ -100,11 +103,12 @@ def summary(rows: dict, reference_rows: dict, steps: int) -> dict:
         op = per_op.setdefault(row["tags"]["op"], {"requests": 0, "hits": 0, "wrong_accepts": 0})
         op["requests"] += 1
         op["hits"] += bool(row["reused"])
-        op["wrong_accepts"] += bool(row["reused"]) and bool(quality.world.made_wrong(row["read"], reference["read"],
-                                                                                     row["expected"]))
+        op["wrong_accepts"] += bool(row["reused"]) and bool(world.made_wrong(row["read"], reference["read"],
+                                                                             row["expected"]))
     s["per_operation"] = per_op
     if rows["pairs"]:
-        pairs = quality.summarize(quality.adversaries(rows["pairs"]), steps, quality.adversaries(reference_rows["pairs"]))
+        pairs = quality.summarize(quality.adversaries(rows["pairs"]), steps, quality.adversaries(reference_rows["pairs"]),
+                                  world)
         s["look_alike_pairs"] = {k: pairs[k] for k in ("requests", "hit_rate", "attribute_accuracy", "wrong_accepts",
                                                        "made_wrong", "made_right")}
     return s
@@ -132,7 +136,7 @@ def worker(args) -> int:
 def child_command(args, habit: str, name: str, reference: str, rows_out: str) -> list:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", f"{habit}:{name}", "--reference", reference,
             "--rows-out", rows_out]
-    for option in ("requests", "seed", "pairs", "steps", "probe_steps", "guidance", "fewer_steps",
+    for option in ("world", "requests", "seed", "pairs", "steps", "probe_steps", "guidance", "fewer_steps",
                    "step_cache_threshold", "step_cache_start", "text_threshold", "text_resume_step", "device",
                    "weights", "max_density"):
         argv += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
@@ -227,6 +231,7 @@ def plot(results: dict, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", choices=tuple(TRACE_WORLDS), default="v1", help="evaluation world")
     parser.add_argument("--requests", type=int, default=1000, help="trace requests per seed habit")
     parser.add_argument("--seed", type=int, default=0, help="the trace's seed (sessions, edits, noise seeds)")
     parser.add_argument("--habits", default="fixed,randomize", help="seed habits: fixed, randomize or both")
@@ -253,10 +258,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", help=argparse.SUPPRESS)
     parser.add_argument("--rows-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS
     args.steps = args.steps or DEMO_STEPS
-    args.guidance = args.guidance or DEMO_GUIDANCE
-    args.weights = args.weights or DEMO_WEIGHTS
+    args.guidance = args.guidance or DEMO_WORLDS[args.world]["guidance"]
+    args.weights = args.weights or DEMO_WORLDS[args.world]["weights"]
     args.jump_path = [11]      # quality.py's runner reads it
     args.habits = args.habits.split(",")
     if args.requests < 1 or args.pairs < 0 or args.jobs < 1:
@@ -278,7 +282,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     rows = run_all(args, names)
-    results = {habit: {name: summary(rows[habit][name], rows[habit]["no_reuse"], args.steps) for name in names}
+    results = {habit: {name: summary(rows[habit][name], rows[habit]["no_reuse"], args.steps, WORLDS[args.world])
+                       for name in names}
                for habit in args.habits}
     machine = f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}"
     if args.device.startswith("cuda"):
