@@ -9,6 +9,7 @@ import torch
 
 from carnator_engine.store.index import bucket_difference, bucket_parts, nearest
 from carnator_engine.store import CarnatorStore
+from carnator_engine.store.owned_files import header
 from carnator_engine.store.vectors import VECTOR_DIM, BucketMatrix
 from test_store import _age_blobs, _put, _signature, location  # noqa: F401 - location is a fixture
 
@@ -87,9 +88,10 @@ def test_an_open_reads_no_entry_to_find_orphan_blobs(tmp_path, monkeypatch):
     directory = str(tmp_path / "c")
     store = CarnatorStore(directory, 64 << 20)
     kept = [_put(store, seed) for seed in range(3)]
+    identity = store._backend.identity
     store.close()
     with open(os.path.join(directory, "blobs", "0123456789abcdef.blob"), "wb") as orphan:
-        orphan.write(b"left by a crash")
+        orphan.write(header(identity) + b"left by a crash")
     _age_blobs(directory)
     read, real = [], DiskBackend.meta
 
