@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sqlite3
+import urllib.parse
 import uuid
 
 from .errors import StoreError, StoreUnavailable
@@ -25,6 +26,7 @@ MARKER_FILE = "carnator-store.json"
 FORMAT = "carnator-store"
 FORMAT_VERSION = 1
 DATABASE_FILE = "cache.db"
+SQLITE_HEADER = b"SQLite format 3\x00"   # the first bytes of every SQLite database file
 IDENTITY = re.compile(r"[0-9a-f]{32}")
 MARKER_TEMPORARY = re.compile(re.escape(MARKER_FILE) + r"\.[0-9a-f]{8}\.tmp")
 # Never a store: these folders themselves (a store needs a folder of its own) ...
@@ -51,12 +53,20 @@ def check_location(directory: str) -> str:
 
 
 def _legacy_identity(directory: str):
-    """The identity key of a store made before the marker existed (Carnator's diskcache database), else None."""
+    """The identity key of a store made before the marker existed (Carnator's diskcache database), else None.
+    Read without changing anything in the folder: a file that is no SQLite database is never opened by SQLite, and
+    a database is opened immutable, since even a read-only connection to a WAL-mode database (diskcache's, another
+    program's) creates its -wal and -shm files beside it. An identity written only to a WAL file not yet
+    checkpointed is not seen: that folder is refused, which costs nobody a file."""
     database = os.path.join(directory, DATABASE_FILE)
-    if not os.path.isfile(database) or os.path.getsize(database) == 0:
+    try:
+        with open(database, "rb") as handle:
+            if handle.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+                return None
+    except (OSError, ValueError):    # ValueError: a path no file can have (a NUL byte)
         return None
     try:
-        connection = sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=30)
+        connection = sqlite3.connect(f"file:{urllib.parse.quote(database)}?immutable=1", uri=True)
         try:
             row = connection.execute("SELECT value FROM Cache WHERE key = 'store' AND raw = 1").fetchone()
         finally:
@@ -132,35 +142,45 @@ def is_marked(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, MARKER_FILE)) or _legacy_identity(directory) is not None
 
 
-def claim(directory: str, create: bool = True, **fields) -> str:
-    """The identity of the Carnator store in `directory` (an absolute path checked by check_location): read from
-    its marker; a legacy store adopted (marked with its own identity); a missing or empty folder made a new store
-    (marked with `fields` too) when `create`, else StoreUnavailable: a store known to exist whose folder is
-    missing or empty is a dropped mount, and marking the mount point would hide the store behind a new one.
-    StoreError for a folder that is not a Carnator store, with nothing in it touched."""
+def inspect(directory: str):
+    """Read-only, what claim would find in `directory` (an absolute path checked by check_location): the identity of
+    the Carnator store there (marked, or from before the marker), None for a missing or empty folder (claim makes a
+    new store there), StoreError for a folder claim refuses. Creates, changes and deletes nothing."""
     if os.path.isfile(os.path.join(directory, MARKER_FILE)):
         return _read_marker(directory)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise StoreError(f"Carnator cache {directory!r} is a file, not a folder: choose a folder path")
     identity = _legacy_identity(directory)
-    if identity is None:
-        try:
-            present = os.listdir(directory)
-        except (FileNotFoundError, NotADirectoryError):
-            present = []                   # made below (or found not writable there)
-        except OSError as error:
-            raise StoreError(f"Carnator cache directory {directory!r} cannot be read ({error.strerror or error}): "
-                             "fix its permissions or choose another cache path") from error
-        if [name for name in present if not _marker_temporary(name)]:  # only a marker in flight: still empty
-            raise StoreError(f"Carnator cache {directory!r} is a folder that is not a Carnator store (not empty, "
-                             f"no {MARKER_FILE}): choose an empty or new folder; nothing in it was touched")
-        if not create:
-            raise StoreUnavailable(f"Carnator folder {directory!r} is missing or empty, but its store exists: is "
-                                   "the shared folder mounted? (nothing was written there)")
-        identity = uuid.uuid4().hex
+    if identity is not None:
+        return identity
+    try:
+        present = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return None                        # made by claim (or found not writable there)
+    except OSError as error:
+        raise StoreError(f"Carnator cache directory {directory!r} cannot be read ({error.strerror or error}): "
+                         "fix its permissions or choose another cache path") from error
+    if [name for name in present if not _marker_temporary(name)]:  # only a marker in flight: still empty
+        raise StoreError(f"Carnator cache {directory!r} is a folder that is not a Carnator store (not empty, "
+                         f"no {MARKER_FILE}): choose an empty or new folder; nothing in it was touched")
+    return None
+
+
+def claim(directory: str, create: bool = True, **fields) -> str:
+    """The identity of the Carnator store in `directory` (an absolute path checked by check_location): read from
+    its marker; a legacy store adopted (marked with its own identity); a missing or empty folder made a new store
+    (marked with `fields` too) when `create`, else StoreUnavailable: a store known to exist whose folder is
+    missing or empty is a dropped mount, and marking the mount point would hide the store behind a new one.
+    StoreError for a folder that is not a Carnator store, with nothing in it touched (inspect decides)."""
+    identity = inspect(directory)
+    if os.path.isfile(os.path.join(directory, MARKER_FILE)):
+        return identity
+    if identity is None and not create:
+        raise StoreUnavailable(f"Carnator folder {directory!r} is missing or empty, but its store exists: is "
+                               "the shared folder mounted? (nothing was written there)")
     try:
         os.makedirs(directory, exist_ok=True)
-        _write_marker(directory, identity, **fields)
+        _write_marker(directory, identity or uuid.uuid4().hex, **fields)
     except OSError as error:
         raise StoreError(f"Carnator cache directory {directory!r} is not writable ({error.strerror or error}): "
                          "choose another cache path") from error
