@@ -24,8 +24,9 @@ from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
-from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, fail,
-                     make_config, model_label, progress_callback, prompt_text, send_decision, summary_text, to_json)
+from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, explained,
+                     fail, make_config, model_label, progress_callback, prompt_text, send_decision, summary_text,
+                     to_json)
 from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
@@ -124,6 +125,14 @@ def _summary_output() -> io.Output:
 def _hidden(cls, name: str):
     """A hidden input (unique_id, prompt) as ComfyUI's executor fills it in; None when called outside it."""
     return getattr(cls.hidden, name, None) if cls.hidden is not None else None
+
+
+def _given_out(unique_id, summary: dict) -> tuple:
+    """(summary_json, node text) of a decision, sent to the node's web widget too: all three from one summary,
+    with the deciding reasons of a miss (inputs.explained)."""
+    summary = explained(summary)
+    send_decision(unique_id, summary)
+    return to_json(summary), ui.PreviewText(summary_text(summary))
 
 
 @dataclass
@@ -413,10 +422,8 @@ class CarnatorCompatibilityGate(io.ComfyNode):
         config = make_config(node, bundle.probed.steps, bundle.config.probe_steps, risk,
                              bundle.config.block_size, bundle.config.sparse_attention, overrides)
         decision = pipeline.decide(bundle.probed, matches.candidates, config, matches.bucket_reasons)
-        summary = decision.summary()
-        send_decision(_hidden(cls, "unique_id"), summary)
-        return io.NodeOutput(DecisionBundle(bundle.token, matches.directory, decision, config), to_json(summary),
-                             ui=ui.PreviewText(summary_text(summary)))
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), decision.summary())
+        return io.NodeOutput(DecisionBundle(bundle.token, matches.directory, decision, config), summary_json, ui=text)
 
 
 def _latent_out(runner, bundle_extra: dict, latent) -> dict:
@@ -453,10 +460,8 @@ class CarnatorTrajectoryResume(io.ComfyNode):
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
                                  bundle.model_name)
-        summary = result.summary()
-        send_decision(_hidden(cls, "unique_id"), summary)
-        return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), to_json(summary),
-                             ui=ui.PreviewText(summary_text(summary)))
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), result.summary())
+        return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), summary_json, ui=text)
 
 
 class CarnatorSampler(io.ComfyNode):
@@ -485,10 +490,8 @@ class CarnatorSampler(io.ComfyNode):
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
                                    seed=int(seed), model_name=model_label(graph, unique_id))
-        summary = result.summary()
-        send_decision(unique_id, summary)
-        return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), to_json(summary),
-                             ui=ui.PreviewText(summary_text(summary)))
+        summary_json, text = _given_out(unique_id, result.summary())
+        return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), summary_json, ui=text)
 
 
 NODES = [CarnatorCache, CarnatorEarlyProbe, CarnatorSignatureCacheLookup, CarnatorCompatibilityGate,

@@ -199,6 +199,21 @@ def cost_text(summary: dict) -> str:
     return text
 
 
+def deciding_reasons(summary: dict) -> list:
+    """Why a request was not reused, as the node's text and its web widget show it: the first reason (what happened)
+    and every later one that is not a check the request passed ("... within limit ..."), so that the node names
+    what refused it: the input or the node that differs, a limit exceeded, a reuse that cannot pay."""
+    reasons = summary.get("reasons") or ["no decision"]
+    return [reasons[0]] + [reason for reason in reasons[1:] if " within limit " not in reason]
+
+
+def explained(summary: dict) -> dict:
+    """The summary as the nodes give it out (node text, summary_json, the web widget): with `why`, the deciding
+    reasons of a miss in one line (None for a hit or a repeat, whose verdict says it)."""
+    why = None if summary.get("reuse") else "; ".join(deciding_reasons(summary))
+    return {**summary, "why": why}
+
+
 def summary_text(summary: dict) -> str:
     """The node's one-line verdict, then any warning (a store fault that made the request a full generation)."""
     warnings = "".join(f"\nwarning: {w}" for w in summary.get("warnings") or [])
@@ -216,10 +231,7 @@ def _verdict(summary: dict) -> str:
     if summary.get("reuse"):
         return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}; "
                 f"{cost}, expected {summary.get('expected_speedup')}x{stored}")
-    reasons = summary.get("reasons") or ["no decision"]
-    # the first reason, then up to two that name a limit or what differs (a new bucket's nearest entry)
-    over = [r for r in reasons[1:] if " over limit " in r or r.startswith("no ") or " differs in " in r]
-    why = "; ".join([reasons[0]] + over[:2])
+    why = summary.get("why") or "; ".join(deciding_reasons(summary))
     return f"Carnator MISS ({risk}): {why}; {cost}{stored}"
 
 

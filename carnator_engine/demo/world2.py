@@ -51,11 +51,12 @@ VALUES = {"background": tuple(BACKGROUNDS), "color": tuple(COLORS), "shape": SHA
 COLUMNS = 1 + len(POSITIONS) * len(OBJECT_ATTRIBUTES)   # 17
 MIN_OBJECTS, MAX_OBJECTS = 2, 3
 
-# Geometry (pixels): half-extent by size and one speed. A large object (9 px) travelling 7 frames x 0.7 px
-# fits its 16 px quadrant with the anti-aliased edge half a pixel short of each side.
-SIZE_RADIUS = {"small": 3.0, "large": 4.5}
-SPEED = 0.7
-SIZE_SPLIT = 7.5          # analyzer: bounding-box extent (px) between small (~6) and large (~9)
+# Geometry (pixels): half-extent by size and one speed. A large object (10 px) travelling 7 frames x 0.5 px
+# fits its 16 px quadrant with the anti-aliased edge half a pixel short of each side; a small one is as large
+# as world v1's small objects, so shapes stay as legible as there.
+SIZE_RADIUS = {"small": 3.5, "large": 5.0}
+SPEED = 0.5
+SIZE_SPLIT = 8.5          # analyzer: bounding-box extent (px) between small (~7) and large (~10)
 RADIUS_PX = torch.tensor([SIZE_RADIUS[s] for s in SIZES])
 
 # Prompt: one phrase per object, joined by "and", then the background. Every word is in VOCABULARY.

@@ -63,7 +63,7 @@ def _legacy_identity(directory: str):
         with open(database, "rb") as handle:
             if handle.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
                 return None
-    except OSError:
+    except (OSError, ValueError):    # ValueError: a path no file can have (a NUL byte)
         return None
     try:
         connection = sqlite3.connect(f"file:{urllib.parse.quote(database)}?immutable=1", uri=True)

@@ -164,7 +164,7 @@ def _finite(name: str, tensor: torch.Tensor) -> None:
 def _indexed(record: EntryRecord) -> IndexedEntry:
     repeat = record.repeat_key or None
     return IndexedEntry(record.bucket, record.size_bytes, record.hits, record.steps_saved, record.corrupt is not None,
-                        repeat, record.created, record.last_used, record.root, record.sig_sha256)
+                        repeat, record.created, record.last_used, record.root, record.sig_sha256, record.repeats)
 
 
 def _bucket_parts(record: EntryRecord) -> Optional[dict]:
@@ -563,6 +563,8 @@ class CarnatorStore:
         return self._backend.part(entry_id, "thumb") or b""
 
     def stats(self) -> dict:
+        """Totals from the in-memory index. `hits` are reuses through the gate; `exact_repeats` (requests answered
+        with an entry's stored result) are counted apart: one definition for the CLI, the routes and the web UI."""
         with self._lock:
             self._sync()
             entries = self._index.entries.values()
@@ -570,7 +572,8 @@ class CarnatorStore:
             held = self._index.bytes
             return {"entries": len(self._index), "corrupt": sum(e.corrupt for e in entries),
                     "bytes": held + overhead, "entry_bytes": held, "overhead_bytes": overhead,
-                    "size_limit_bytes": self.size_limit_bytes, "hits": sum(e.hits for e in entries),
+                    "size_limit_bytes": self.size_limit_bytes, "hits": sum(e.hits - e.repeats for e in entries),
+                    "exact_repeats": sum(e.repeats for e in entries),
                     "steps_saved": sum(e.steps_saved for e in entries), "directory": self.location,
                     "orphans_reclaimed": self.orphans_reclaimed, "index_bytes": self.index_bytes()}
 

@@ -60,10 +60,10 @@ def sample(comfy, *args, **kwargs):
     return latent_out, summary
 
 
-def nudged(conditioning):
+def nudged(conditioning, scale=1.001):
     """The same conditioning a hair off (a creator's one-word edit, at its smallest): a new request, so a reuse
     goes through the probe and the gate rather than replaying an exact repeat."""
-    return [[tensor * 1.001, dict(options)] for tensor, options in conditioning]
+    return [[tensor * scale, dict(options)] for tensor, options in conditioning]
 
 
 def store_state(store):
