@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,8 +71,9 @@ def requests_of(args, habit: str) -> tuple:
     return trace, pairs
 
 
-def run_one(args, habit: str, name: str, reference: dict) -> dict:
-    """One method on one habit's trace and pairs: {"trace": rows, "pairs": rows}; fills `reference` for no_reuse."""
+def run_one(args, habit: str, name: str, reference: dict, chunk=None) -> dict:
+    """One method on one habit's trace and pairs: {"trace": rows, "pairs": rows}; fills `reference` for no_reuse.
+    chunk (i, n): no_reuse on every n-th request from the i-th only (it keeps no cache, so its requests split)."""
     from carnator_engine.backbones.tiny_dit import load_tiny_dit
     from carnator_engine.schedule import flow_sigmas
     method, risk, gate = methods(args.fewer_steps)[name]
@@ -82,9 +84,16 @@ def run_one(args, habit: str, name: str, reference: dict) -> dict:
     sigmas = flow_sigmas(args.steps)
     encoder = quality.CachedSentenceEncoder(args.text_embedding_cache) if method == "text_similarity" else None
     trace, pairs = requests_of(args, habit)
+    flat = [r for pair in pairs for r in pair]
+    if chunk is not None:
+        if method != "no_reuse":
+            raise ValueError(f"only no_reuse splits its requests, not {name}")
+        i, n = chunk
+        return {"trace": quality.run_method(method, trace[i::n], model, sigmas, run_args, encoder, reference),
+                "pairs": quality.run_method(method, flat[i::n], model, sigmas, run_args, encoder, reference)}
     rows = {"trace": quality.run_method(method, trace, model, sigmas, run_args, encoder, reference)}
-    rows["pairs"] = quality.run_method(method, [r for pair in pairs for r in pair], model, sigmas, run_args, encoder,
-                                       reference, fresh_cache_each=[list(pair) for pair in pairs])
+    rows["pairs"] = quality.run_method(method, flat, model, sigmas, run_args, encoder, reference,
+                                       fresh_cache_each=[list(pair) for pair in pairs])
     return rows
 
 
@@ -124,8 +133,15 @@ def load_reference(path: str) -> tuple:
 
 
 def worker(args) -> int:
-    """--worker HABIT:METHOD: one method of one habit, reading no_reuse's clips, writing its rows (JSON)."""
-    habit, name = args.worker.split(":")
+    """--worker HABIT:METHOD (reading no_reuse's clips, writing its rows as JSON) or HABIT:no_reuse:I/N (one chunk of
+    no_reuse, writing its rows and clips)."""
+    habit, name, *chunk = args.worker.split(":")
+    if chunk:
+        i, n = (int(part) for part in chunk[0].split("/"))
+        clips = {}
+        rows = run_one(args, habit, name, clips, (i, n))
+        save_reference(args.rows_out, rows, clips)
+        return 0
     _, clips = load_reference(args.reference)
     rows = run_one(args, habit, name, clips)
     with open(args.rows_out, "w") as handle:
@@ -133,8 +149,8 @@ def worker(args) -> int:
     return 0
 
 
-def child_command(args, habit: str, name: str, reference: str, rows_out: str) -> list:
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", f"{habit}:{name}", "--reference", reference,
+def child_command(args, job: str, reference: str, rows_out: str) -> list:
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", job, "--reference", reference,
             "--rows-out", rows_out]
     for option in ("world", "requests", "seed", "pairs", "steps", "probe_steps", "guidance", "fewer_steps",
                    "step_cache_threshold", "step_cache_start", "text_threshold", "text_resume_step", "device",
@@ -147,43 +163,79 @@ def child_command(args, habit: str, name: str, reference: str, rows_out: str) ->
     return argv
 
 
-def run_all(args, names: list) -> dict:
-    """habit -> method -> rows. no_reuse first (in this process), then the other methods, --jobs at a time."""
-    rows = {habit: {} for habit in args.habits}
-    work = tempfile.mkdtemp(prefix="carnator-trace-")
-    references = {}
+def run_child(args, job: str, reference: str, out: str) -> None:
+    """One worker process; its output (stdout and stderr) is shown when it fails."""
+    log = out + ".log"
+    with open(log, "w") as handle:
+        code = subprocess.run(child_command(args, job, reference, out), stdout=handle, stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    if code:
+        with open(log) as handle:
+            raise RuntimeError(f"{job} failed (exit {code}):\n{handle.read()[-3000:]}")
+
+
+def references_of(args, work: str, pool) -> dict:
+    """habit -> (no_reuse rows, reference file). With --jobs > 1, no_reuse's requests are split over the jobs."""
+    if args.jobs == 1:
+        found = {}
+        for habit in args.habits:
+            clips = {}
+            rows = run_one(args, habit, "no_reuse", clips)
+            found[habit] = (rows, os.path.join(work, f"reference_{habit}.pt"))
+            save_reference(found[habit][1], rows, clips)
+        return found
+    n = max(1, args.jobs // len(args.habits))
+    chunks = [(habit, i) for habit in args.habits for i in range(n)]
+
+    def run(chunk):
+        habit, i = chunk
+        out = os.path.join(work, f"no_reuse_{habit}_{i}.pt")
+        run_child(args, f"{habit}:no_reuse:{i}/{n}", "", out)
+        return chunk, load_reference(out)
+
+    parts = dict(pool.map(run, chunks))
+    found = {}
     for habit in args.habits:
-        started = time.perf_counter()
-        clips = {}
-        rows[habit]["no_reuse"] = run_one(args, habit, "no_reuse", clips)
-        references[habit] = os.path.join(work, f"reference_{habit}.pt")
-        save_reference(references[habit], rows[habit]["no_reuse"], clips)
-        print(f"{habit} no_reuse: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-    jobs = [(habit, name) for habit in args.habits for name in names if name != "no_reuse"]
+        rows, clips = {}, {}
+        for kind in ("trace", "pairs"):
+            size = sum(len(parts[(habit, i)][0][kind]) for i in range(n))
+            joined = [None] * size
+            for i in range(n):
+                joined[i::n] = parts[(habit, i)][0][kind]
+            rows[kind] = joined
+        for i in range(n):
+            clips.update(parts[(habit, i)][1])
+        found[habit] = (rows, os.path.join(work, f"reference_{habit}.pt"))
+        save_reference(found[habit][1], rows, clips)
+    return found
 
-    def run(job):
-        habit, name = job
-        started = time.perf_counter()
-        if args.jobs == 1:
-            _, clips = load_reference(references[habit])
-            result = run_one(args, habit, name, clips)
-        else:
-            out = os.path.join(work, f"rows_{habit}_{name}.json")
-            log = os.path.join(work, f"log_{habit}_{name}.txt")
-            with open(log, "w") as handle:
-                code = subprocess.run(child_command(args, habit, name, references[habit], out), stdout=handle,
-                                      stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
-            if code:
-                with open(log) as handle:
-                    raise RuntimeError(f"{habit} {name} failed (exit {code}):\n{handle.read()[-3000:]}")
-            with open(out) as handle:
-                result = json.load(handle)
-        print(f"{habit} {name}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-        return job, result
 
+def run_all(args, names: list) -> dict:
+    """habit -> method -> rows: no_reuse first (the reference), then the other methods, --jobs processes at a time."""
+    work = tempfile.mkdtemp(prefix="carnator-trace-")
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        started = time.perf_counter()
+        references = references_of(args, work, pool)
+        print(f"no_reuse: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        rows = {habit: {"no_reuse": references[habit][0]} for habit in args.habits}
+
+        def run(job):
+            habit, name = job
+            started = time.perf_counter()
+            if args.jobs == 1:
+                result = run_one(args, habit, name, load_reference(references[habit][1])[1])
+            else:
+                out = os.path.join(work, f"rows_{habit}_{name}.json")
+                run_child(args, f"{habit}:{name}", references[habit][1], out)
+                with open(out) as handle:
+                    result = json.load(handle)
+            print(f"{habit} {name}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            return job, result
+
+        jobs = [(habit, name) for habit in args.habits for name in names if name != "no_reuse"]
         for (habit, name), result in pool.map(run, jobs):
             rows[habit][name] = result
+    shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
@@ -254,6 +306,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="methods run side by side (processes)")
     parser.add_argument("--out", default="benchmarks/out/trace.json")
     parser.add_argument("--png", help="accuracy-vs-calls plot (default: beside --out, .png)")
+    parser.add_argument("--from-json", help="print the tables and write the plot of an earlier run's JSON, run nothing")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--reference", help=argparse.SUPPRESS)
     parser.add_argument("--rows-out", help=argparse.SUPPRESS)
@@ -279,6 +332,10 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
 
+    if args.from_json:
+        report = reports.read(args.from_json, rows=False)
+        return show(report, args.png or os.path.splitext(args.from_json)[0] + ".png")
+
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     rows = run_all(args, names)
@@ -290,21 +347,32 @@ def main(argv=None) -> int:
         machine = f"{torch.cuda.get_device_name(0)}, {machine}"
     traces = {habit: creator_trace.trace_stats(requests_of(args, habit)[0]) for habit in args.habits}
     report = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k not in ("worker", "reference",
-                                                                                           "rows_out")},
+                                                                                           "rows_out", "from_json")},
               "seconds": round(time.perf_counter() - started, 1), "trace": traces,
               "mix": creator_trace.TraceMix().probabilities(), "results": results, "rows": rows}
     reports.write(args.out, report)
-    png = args.png or os.path.splitext(args.out)[0] + ".png"
-    plot(results, png, f"Creator trace, demo world: accuracy vs calls saved ({args.requests} requests per habit, "
-                       f"{args.steps} steps; {machine})")
-    for habit, table in results.items():
-        print(f"\nseed habit {habit}: {traces[habit]['requests']} requests in {traces[habit]['sessions']} sessions, "
-              f"{traces[habit]['exact_repeats']} exact repeats in the trace; {args.steps} steps, probe "
-              f"{args.probe_steps}, guidance {args.guidance}; {machine}")
+    print(f"wrote {args.out}")
+    return show(report, args.png or os.path.splitext(args.out)[0] + ".png")
+
+
+def show(report: dict, png: str) -> int:
+    """Prints a run's tables and writes its plot (where matplotlib is installed: else the JSON's --from-json later)."""
+    args, machine = report["args"], report["machine"]
+    for habit, table in report["results"].items():
+        trace = report["trace"][habit]
+        print(f"\nseed habit {habit}: {trace['requests']} requests in {trace['sessions']} sessions, "
+              f"{trace['exact_repeats']} exact repeats in the trace; {args['steps']} steps, probe "
+              f"{args['probe_steps']}, guidance {args['guidance']}; {machine}")
         print(HEAD)
         for name, s in table.items():
             print(table_line(name, s))
-    print(f"\nwrote {args.out}, {png}")
+    try:
+        plot(report["results"], png, f"Creator trace, demo world: accuracy vs calls saved ({args['requests']} "
+                                     f"requests per habit, {args['steps']} steps; {machine})")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -r benchmarks/requirements.txt, then --from-json)")
+        return 0
+    print(f"\nwrote {png}")
     return 0
 
 
