@@ -277,6 +277,11 @@ def test_cache_node_blob_dir_makes_a_farm_whose_hits_cross_workers(comfy, plugin
         other.close()
         with pytest.raises(Exception, match="blob_dir.*redis://"):
             node(comfy, "CarnatorCache")(str(tmp_path / "disk"), 1.0, blobs)
+        from redis_server import free_port   # a farm whose Redis is down: the node gives a store all the same,
+        down = node(comfy, "CarnatorCache")(f"redis://127.0.0.1:{free_port()}/0", 1.0, str(tmp_path / "b2"))[0]
+        out = sampler_output(comfy, counted.model, down, positive, negative, latent)   # which generates in full
+        assert not json.loads(out.result[1])["reuse"] and "cannot be reached" in hostsetup.shown_text(out)
+        assert not os.path.exists(tmp_path / "b2")
     finally:
         server.stop()
 
