@@ -255,6 +255,24 @@ def table_line(name: str, s: dict) -> str:
             f"{(str(look['wrong_accepts']) + ' / ' + str(look['requests'])) if look else '-':>16}")
 
 
+def markdown(report: dict) -> str:
+    """The run's table for benchmarks/RESULTS.md: one row per seed habit and method."""
+    lines = ["| seeds | method | hits (exact repeats) | calls saved | speedup (calls / wall) | all six right "
+             "(change vs no reuse, 95 % interval) | wrong accepts | PSNR / SSIM of hits | look-alike wrong accepts |",
+             "| --- " * 9 + "|"]
+    for habit, table in report["results"].items():
+        for name, s in table.items():
+            hits = (f"{s['psnr_on_hits']:.1f} / {s['ssim_on_hits']:.3f}" if s["psnr_on_hits"] is not None else "-")
+            change = (f" ({s['change'] * 100:+.1f}, {s['change_low'] * 100:+.1f} to {s['change_high'] * 100:+.1f})"
+                      if name != "no_reuse" else "")
+            look = s.get("look_alike_pairs")
+            lines.append(f"| {habit} | {name} | {s['hit_rate']:.0%} ({s['exact_repeats']}) | {s['model_calls_saved']:.1%} "
+                         f"| {s['speedup_calls']:.2f}x / {s['speedup_seconds']:.2f}x | {s['attribute_accuracy']:.1%}{change} "
+                         f"| {s['wrong_accepts']} | {hits} | "
+                         f"{str(look['wrong_accepts']) + ' of ' + str(look['requests']) if look else '-'} |")
+    return "\n".join(lines)
+
+
 def plot(results: dict, path: str, title: str) -> None:
     """Accuracy change against calls saved, one panel per seed habit."""
     import matplotlib
@@ -307,6 +325,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/out/trace.json")
     parser.add_argument("--png", help="accuracy-vs-calls plot (default: beside --out, .png)")
     parser.add_argument("--from-json", help="print the tables and write the plot of an earlier run's JSON, run nothing")
+    parser.add_argument("--md", help="also write the table as markdown (benchmarks/RESULTS.md's form) to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--reference", help=argparse.SUPPRESS)
     parser.add_argument("--rows-out", help=argparse.SUPPRESS)
@@ -334,7 +353,7 @@ def main(argv=None) -> int:
 
     if args.from_json:
         report = reports.read(args.from_json, rows=False)
-        return show(report, args.png or os.path.splitext(args.from_json)[0] + ".png")
+        return show(report, args.png or os.path.splitext(args.from_json)[0] + ".png", args.md)
 
     torch.manual_seed(args.seed)
     started = time.perf_counter()
@@ -352,12 +371,16 @@ def main(argv=None) -> int:
               "mix": creator_trace.TraceMix().probabilities(), "results": results, "rows": rows}
     reports.write(args.out, report)
     print(f"wrote {args.out}")
-    return show(report, args.png or os.path.splitext(args.out)[0] + ".png")
+    return show(report, args.png or os.path.splitext(args.out)[0] + ".png", args.md)
 
 
-def show(report: dict, png: str) -> int:
-    """Prints a run's tables and writes its plot (where matplotlib is installed: else the JSON's --from-json later)."""
+def show(report: dict, png: str, md=None) -> int:
+    """Prints a run's tables and writes its plot (where matplotlib is installed: else the JSON's --from-json later) and,
+    given `md`, its markdown table."""
     args, machine = report["args"], report["machine"]
+    if md:
+        with open(md, "w") as handle:
+            handle.write(markdown(report) + "\n")
     for habit, table in report["results"].items():
         trace = report["trace"][habit]
         print(f"\nseed habit {habit}: {trace['requests']} requests in {trace['sessions']} sessions, "

@@ -26,8 +26,9 @@ def test_trace_runs_its_methods_against_no_reuse_and_writes_json_and_plot(tmp_pa
     assert len(report["rows"]["fixed"]["carnator_balanced"]["trace"]) == 4
     assert report["trace"]["fixed"]["requests"] == 4
     assert (tmp_path / "trace.png").stat().st_size > 0
-    assert trace.main(["--from-json", str(out), "--png", str(tmp_path / "again.png")]) == 0   # tables and plot again
-    assert (tmp_path / "again.png").stat().st_size > 0
+    assert trace.main(["--from-json", str(out), "--png", str(tmp_path / "again.png"), "--md", str(tmp_path / "t.md")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 0          # tables and plot again, from the JSON alone
+    assert "| fixed | steps_4 | 0% (0) | 33.3% | 1.50x / " in (tmp_path / "t.md").read_text()
 
 
 def test_trace_refuses_bad_options_naming_them(capsys):

@@ -351,3 +351,21 @@ def start_image(kind: str, size: int = 128):
         stripes = (torch.sin(x * 25.0) > 0).float()
         image = torch.stack([0.1 * x, 0.4 + 0.4 * x * stripes, 0.2 + 0.1 * stripes], dim=-1)
     return image.clamp(0, 1).unsqueeze(0)
+
+
+def load_kjnodes_model_patches(custom_nodes_dir: str):
+    """KJNodes' model-patch nodes (nodes/model_optimization_nodes.py: Patch Sage Attention KJ, GGUF Loader KJ,
+    WanVideo TeaCache, the compile nodes), from a copy of the pack in custom_nodes, imported as a module: the pack's
+    own __init__ also imports its image nodes, which need opencv and others that the model patches do not."""
+    import importlib.util
+    import shutil
+    target = os.path.join(custom_nodes_dir, "ComfyUI-KJNodes")
+    if not os.path.isdir(target):
+        shutil.copytree(PEERS / "ComfyUI-KJNodes", target, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
+    name = "carnator_test_kjnodes_model_optimization"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(target, "nodes", "model_optimization_nodes.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
