@@ -33,7 +33,7 @@ import torch
 from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
 from .conditioning import conditioning_fingerprint, start_image_fingerprint
 from .model_key import host_version, model_key
-from .step_caches import StepCacheCarry, live_holder
+from .step_caches import StepCacheCarry, live_holder, unsplittable_step_cache
 
 log = logging.getLogger("carnator.comfyui")
 
@@ -354,6 +354,16 @@ class ComfyRunner:
         import comfy.samplers
         self.backbone = backbone_for(model)
         self.layout = self.backbone.layout
+        for input_name, source in (("model", model), ("low_noise_model", low_noise_model)):
+            refused = source is not None and unsplittable_step_cache(source.model_options)
+            if refused:
+                error = UnsupportedModelError(
+                    f"Carnator: the model carries {refused}, which counts steps within each sampler run and keeps "
+                    "its state on the diffusion model: Carnator runs a request as a probe and then the rest (or a "
+                    "resume), so it would skip other steps than in one KSampler run. Use ComfyUI's EasyCache node "
+                    "(it runs inside Carnator's steps), or a KSampler for TeaCache")
+                error.input_name = input_name
+                raise error
         if sampler_name not in comfy.samplers.KSampler.SAMPLERS:
             raise ValueError(f"unknown sampler_name {sampler_name!r}: choose one of "
                              f"{', '.join(comfy.samplers.KSampler.SAMPLERS)}")
