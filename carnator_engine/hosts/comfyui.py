@@ -33,7 +33,8 @@ import torch
 from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
 from .conditioning import conditioning_fingerprint, start_image_fingerprint
 from .model_key import host_version, model_key
-from .step_caches import StepCacheCarry, live_holder, unsplittable_step_cache
+from .refused import refusal
+from .step_caches import StepCacheCarry, live_holder
 
 log = logging.getLogger("carnator.comfyui")
 
@@ -355,13 +356,9 @@ class ComfyRunner:
         self.backbone = backbone_for(model)
         self.layout = self.backbone.layout
         for input_name, source in (("model", model), ("low_noise_model", low_noise_model)):
-            refused = source is not None and unsplittable_step_cache(source.model_options)
-            if refused:
-                error = UnsupportedModelError(
-                    f"Carnator: the model carries {refused}, which counts steps within each sampler run and keeps "
-                    "its state on the diffusion model: Carnator runs a request as a probe and then the rest (or a "
-                    "resume), so it would skip other steps than in one KSampler run. Use ComfyUI's EasyCache node "
-                    "(it runs inside Carnator's steps), or a KSampler for TeaCache")
+            why = source is not None and refusal(source)
+            if why:
+                error = UnsupportedModelError(f"Carnator: {why}")
                 error.input_name = input_name
                 raise error
         if sampler_name not in comfy.samplers.KSampler.SAMPLERS:
