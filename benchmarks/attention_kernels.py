@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path[:0] = [folder for folder in (str(ROOT), str(ROOT / "benchmarks")) if folder not in sys.path]
 
 from carnator_engine.attention import sparse as sa  # noqa: E402
+from gpu_host import time_fn  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "out" / "attention_kernels.json"
 
@@ -92,34 +91,6 @@ def ref_rows_f64(q, k, v, conn, block_size, rows, scale):
         allowed = conn.to(q.device)[rows // block_size][:, kb]
         s = s.masked_fill(~allowed, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1), v.double())
-
-
-def time_fn(fn, runs: int, warmup: int, cuda: bool) -> dict:
-    for _ in range(warmup):
-        fn()
-    times = []
-    if cuda:
-        torch.cuda.synchronize()
-        for _ in range(runs):
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    else:
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return {
-        "median_ms": statistics.median(times),
-        "min_ms": times[0],
-        "p90_ms": times[min(len(times) - 1, int(0.9 * len(times)))],
-        "runs": runs,
-    }
 
 
 def dense_backends(cuda: bool):

@@ -2,7 +2,7 @@
 """Do the default gate's limits carry across backbones? Nudged, new-seed and new-conditioning requests at real size.
 
 Per backbone (ComfyUI 0.3.64's own model classes with random weights in bf16, built as benchmarks/gpu_backbones.py
-builds them, plus Wan2.1-1.3B as benchmarks/gpu_speed.py builds it), one Carnator miss is stored, then the gate
+builds them, plus Wan2.1-1.3B as benchmarks/gpu_host.py builds it), one Carnator miss is stored, then the gate
 (default risk, no overrides) answers, after its probe and lookup:
   nudged noise      the miss's request with its noise x 1.0001: the same generation, to reuse at the usual k
   nudged text       the miss's conditioning plus 0.1 % of its RMS in random noise: a hair off, to reuse

@@ -5,7 +5,7 @@ Random weights in bf16, ComfyUI 0.3.64's own model classes inside their model_ba
 (Wan 1.3B built as benchmarks/gpu_host.py builds it), euler / simple / cfg 1,
 N = 20 steps, probe p = 2 (p/N = 0.1), resume k = 10 (k/N = 0.5), attention blocks of 128 tokens, the miss
 recording its connectivity under a 0.3 density budget. The gate runs with its defaults (no overrides); when its own
-resume step differs from k the hit is forced to k and the JSON says so, as in gpu_speed.py.
+resume step differs from k the hit is forced to k and the JSON says so.
 
   wan2.2-a14b   two Wan2.1-14B-architecture experts (dim 5120, 40 layers, 40 heads, ffn 13824), the low-noise
                 expert from step 10 (the Wan 2.2 A14B template's switch at half the steps); 480p x 49 frames:

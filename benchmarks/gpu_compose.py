@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Carnator with ComfyUI's EasyCache, side by side, at Wan2.1-T2V-1.3B size (the gpu_speed.py setup: ComfyUI's
+"""Carnator with ComfyUI's EasyCache, side by side, at Wan2.1-T2V-1.3B size (gpu_host.py's setup: ComfyUI's
 WanModel with random weights, 480p x 81 frames, bf16, euler/simple, N=50, p=5, k=25, the 0.3 density budget).
 
 Cases, CUDA synchronised, model calls counted at the diffusion model (a DIFFUSION_MODEL wrapper after

@@ -2,8 +2,8 @@
 """What the GPU benchmarks share: the host (ComfyUI found and imported), a Wan2.1-architecture model of a
 preset size, the timers, the plain and Carnator sampling paths they compare, and the ideal-speedup formula.
 
-Each benchmark script (gpu_speed, gpu_compose, gpu_backbones, gate_transfer, miss_profile, write_back, ...)
-imports from here; none imports another benchmark script."""
+Each GPU benchmark script (gpu_compose, gpu_backbones, few_step, gate_transfer, miss_profile, write_back,
+attention_kernels) imports from here; gate_transfer and few_step also build their models with gpu_backbones."""
 from __future__ import annotations
 
 import argparse
@@ -191,9 +191,37 @@ def median(values):
     return float(statistics.median(values)) if values else float("nan")
 
 
+def time_fn(fn, runs: int, warmup: int, cuda: bool) -> dict:
+    """Timings of `runs` calls of fn after `warmup` untimed ones, in ms: CUDA events on the GPU, wall clock else."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        for _ in range(runs):
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    else:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": times[0],
+        "p90_ms": times[min(len(times) - 1, int(0.9 * len(times)))],
+        "runs": runs,
+    }
+
+
 def kernel_ms(fn, reps):
-    """Median of CUDA-event timings after 2 warm-ups (wall clock on CPU): attention_kernels.time_fn."""
-    from attention_kernels import time_fn  # benchmarks/ is this script's own folder
+    """Median of CUDA-event timings after 2 warm-ups (wall clock on CPU)."""
     return float(time_fn(fn, reps, 2, torch.cuda.is_available())["median_ms"])
 
 

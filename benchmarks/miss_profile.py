@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a Carnator miss spends its time beyond plain ComfyUI sampling (gpu_speed.py's Wan2.1-1.3B setup).
+"""Where a Carnator miss spends its time beyond plain ComfyUI sampling (gpu_host.py's Wan2.1-1.3B setup).
 
 Plain sampling and a miss on an empty store run interleaved --repeats times (the order alternating, so the GPU's
 warming falls on both), CUDA synchronised at each end only.

@@ -8,9 +8,8 @@ hold their per-request rows, a second table compares each "Carnator on top of X"
 (paired flips of all six right, 95 % interval): the difference the goal "equal or better accuracy" is about, which
 two intervals against no reuse cannot resolve.
 
-    python benchmarks/tradeoff.py benchmarks/results/quality/quality_per_request_small_cpu.json \\
-        --png benchmarks/results/quality/tradeoff_small_cpu.png --md benchmarks/results/quality/tradeoff_small_cpu.md
-    python benchmarks/tradeoff.py benchmarks/results/quality/quality_pooled*_per_request*.json --png ... --md ...
+    python benchmarks/tradeoff.py benchmarks/results/quality/quality_pooled?_per_request_{alone,on_top}.json \\
+        --png /tmp/tradeoff.png --md /tmp/tradeoff.md
 """
 from __future__ import annotations
 

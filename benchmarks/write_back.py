@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the background write-back (carnator_engine/store/write_back.py) takes off a miss, on gpu_speed's model.
+"""What the background write-back (carnator_engine/store/write_back.py) takes off a miss, on gpu_host's Wan model.
 
 ComfyUI's WanModel (gpu_host.build_model, random weights) through ComfyRunner, `--repeats` times, interleaved:
   plain     ComfyUI sampling alone (the baseline)
@@ -14,7 +14,7 @@ they share the cores; on a GPU the write needs only the host).
 
 Usage:
   python3 benchmarks/write_back.py --out /tmp/write_back.json                 # CPU-sized defaults
-  python3 benchmarks/write_back.py --device cuda --preset real --out ...      # gpu_speed's real size
+  python3 benchmarks/write_back.py --device cuda --preset real --out ...      # Wan 1.3B's real size
 """
 from __future__ import annotations
 

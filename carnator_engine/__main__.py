@@ -74,7 +74,7 @@ def _load_demo_model(path: str):
     from .backbones.tiny_dit import load_tiny_dit
     if not os.path.exists(path):
         raise ValueError(f"demo weights not found at {path}: pass --weights PATH to a Carnator tiny DiT checkpoint "
-                         "(benchmarks/README.md says how to train one)")
+                         "(`python -m carnator_engine.demo.train --help` says how to train one)")
     try:
         return load_tiny_dit(path)
     except Exception as error:  # noqa: BLE001 - any damage to the file: one line that names it, not a traceback
@@ -166,7 +166,7 @@ def _demo_session(args, model, store, config, out_dir: str, json_path: str, cach
     store.writer.settle()   # the stats count the last requests' entries, written in the background
     if json_path:
         with open(json_path, "w") as handle:
-            json.dump({"rows": rows, "hit_vs_fresh": compared, "store": _store_report(store)}, handle, indent=2)
+            json.dump({"rows": rows, "hit_vs_fresh": compared, "store": store.stats()}, handle, indent=2)
     return 0
 
 
@@ -217,20 +217,13 @@ def run_stats(args) -> int:
         return 1
     try:
         corrupt = _verified_entries(store) if args.verify else None
-        report = _store_report(store)
+        report = store.stats()
         if corrupt is not None:
             report["corrupt_entries"] = corrupt
         print(json.dumps({**report, "problems": store.drain_problems()}, indent=2))
     finally:
         store.close()
     return 1 if corrupt else 0
-
-
-def _store_report(store) -> dict:
-    """The store's statistics with exact repeats counted apart from gate hits (the store counts both as hits)."""
-    stats = store.stats()
-    repeats = sum(record.repeats for record in store.records(include_corrupt=True))
-    return {**stats, "hits": stats["hits"] - repeats, "exact_repeats": repeats}
 
 
 def _verified_entries(store) -> list:

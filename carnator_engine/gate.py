@@ -59,18 +59,16 @@ class GatePolicy:
     shrink_with_risk: bool = True
 
     def validate(self) -> "GatePolicy":
-        checks = {"max_hidden": (0, 2), "max_attention": (0, 1), "max_context": (0, 10), "max_context_share": (0, 10),
-                  "cell_threshold": (0, 10), "max_target_fraction": (0, 1), "max_resume_fraction": (0, 1),
-                  "few_step_resume_fraction": (0, 1)}
-        for name, (low, high) in checks.items():
+        for name, (low, high) in SETTING_RANGES.items():
             value = getattr(self, name)
-            if not (low < value <= high) or math.isnan(value):
+            below_high = value < high if name in BELOW_HIGH else value <= high
+            if not (low < value and below_high) or math.isnan(value):
+                if name in BELOW_HIGH:
+                    raise ValueError(f"gate setting {name}={value} is outside ({low}, {high}): at {high} or more a "
+                                     "hit would resume at the last step, where no step of the request runs; use a "
+                                     "value in that range or pick a risk level preset")
                 raise ValueError(f"gate setting {name}={value} is outside ({low}, {high}]: "
                                  "use a value in that range or pick a risk level preset")
-        for name in ("max_resume_fraction", "few_step_resume_fraction"):
-            if getattr(self, name) >= 1:
-                raise ValueError(f"gate setting {name}={getattr(self, name)} would resume at the last step, where "
-                                 "no step of the request runs: use a value below 1")
         for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -79,13 +77,19 @@ class GatePolicy:
         return self
 
 
+# Each numeric setting's allowed range (low, high]: low excluded, high included except for BELOW_HIGH (a resume at
+# the furthest share 1 would leave no step of the request to run). The Compatibility Gate node's inputs take these.
+SETTING_RANGES = {"max_hidden": (0, 2), "max_attention": (0, 1), "max_context": (0, 10), "max_context_share": (0, 10),
+                  "cell_threshold": (0, 10), "max_target_fraction": (0, 1), "max_resume_fraction": (0, 1),
+                  "few_step_resume_fraction": (0, 1)}
+BELOW_HIGH = ("max_resume_fraction", "few_step_resume_fraction")
 SWITCHES = tuple(f.name for f in fields(GatePolicy) if f.type == "bool")   # on/off settings, the rest are numbers
 
 # Thresholds are scale-free (cosines, distribution distances, shares of chance) or in units of the sampler's
 # unit-variance noise. The noise-unit limits alone did not carry to real sizes (see max_context_share); the share of
 # chance does: benchmarks/gate_transfer.py checks the defaults on every backbone at real size. The values were
-# checked in the evaluation world, where the truth of every generated attribute is known: benchmarks/calibrate_gate.py
-# shows each input's distribution per kind of edit, benchmarks/quality.py what each preset costs and saves.
+# checked in the evaluation world, where the truth of every generated attribute is known: benchmarks/quality.py
+# measures what each preset costs and saves, benchmarks/gate_ceiling.py what any gate could save at best.
 RISK_POLICIES = {
     "safe": GatePolicy(max_hidden=0.010, max_attention=0.08, max_context=0.20, max_context_share=0.40,
                        cell_threshold=0.30, max_target_fraction=0.35, max_resume_fraction=0.45,

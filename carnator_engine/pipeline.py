@@ -179,10 +179,15 @@ def request_identity(runner, noise: torch.Tensor, sigmas: torch.Tensor) -> tuple
     """(bucket, request key): the bucket is what must match for any reuse (model, shape, schedule, sampler); the
     key adds every other input that shapes the output: the runner's request fingerprint (conditioning, sampler
     seed) and the noise itself, whole."""
-    bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler)
+    bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler, _start_image(runner))
     digest = hashlib.sha256(f"{bucket}|{runner.request_fingerprint}|".encode())
     digest.update(noise.detach().to("cpu", torch.float32).contiguous().numpy())   # hashed in place, not copied
     return bucket, digest.hexdigest()[:32]
+
+
+def _start_image(runner) -> str:
+    """The runner's start image fingerprint (image-to-video hosts); "" for text-to-video."""
+    return getattr(runner, "image_fingerprint", "") or ""
 
 
 def hit_replay_key(request_key: str, config: CarnatorConfig) -> str:
@@ -216,7 +221,8 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
                        key, time.perf_counter() - started, model_calls=_calls(runner, observer),
                        uncacheable=uncacheable, model_text=getattr(runner, "model_text", "") or "",
-                       bucket_parts=bucket_parts(runner.model_fingerprint, noise.shape, sigmas, runner.sampler))
+                       bucket_parts=bucket_parts(runner.model_fingerprint, noise.shape, sigmas, runner.sampler,
+                                                 _start_image(runner)))
 
 
 def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorConfig,

@@ -20,14 +20,14 @@ import comfy.samplers
 from comfy_api.latest import ComfyExtension, io, ui
 
 from carnator_engine import pipeline
-from carnator_engine.gate import RISK_LEVELS, RISK_POLICIES, SWITCHES, Decision
+from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING_RANGES, SWITCHES, Decision
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
 from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, check_switch,
-                     fail, make_config, model_label, progress_callback, prompt_text, send_decision, summary_text,
-                     to_json)
-from .stores import DEFAULT_SIZE_LIMIT_GB, open_store
+                     explained, fail, make_config, model_label, progress_callback, prompt_text, send_decision,
+                     summary_text, to_json)
+from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
 
@@ -57,7 +57,9 @@ def _request_inputs(probe_steps_default: int = 0) -> list:
         io.Conditioning.Input("positive", tooltip="What the video should show (the text encoder's output); compared "
                                                   "through the model's early states, never as text."),
         io.Conditioning.Input("negative", tooltip="What the video should avoid, as for KSampler."),
-        io.Latent.Input("latent_image", tooltip="An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1."),
+        io.Latent.Input("latent_image", tooltip="An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1; for "
+                                                "image-to-video, WanImageToVideo's or Wan22ImageToVideoLatent's latent "
+                                                "(the start image is part of the cache key)."),
         io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
                      tooltip="The noise seed. Another seed is another request: it may still reuse a close one."),
         io.Int.Input("steps", default=30, min=2, max=10000,
@@ -132,6 +134,14 @@ def _hidden(cls, name: str):
     return getattr(cls.hidden, name, None) if cls.hidden is not None else None
 
 
+def _given_out(unique_id, summary: dict) -> tuple:
+    """(summary_json, node text) of a decision, sent to the node's web widget too: all three from one summary,
+    with the deciding reasons of a miss (inputs.explained)."""
+    summary = explained(summary)
+    send_decision(unique_id, summary)
+    return to_json(summary), ui.PreviewText(summary_text(summary))
+
+
 @dataclass
 class ProbeBundle:
     """CARNATOR_PROBE: a request after its probe steps, ready for lookup and resume."""
@@ -178,7 +188,7 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
                                 "higher values guide with the negative prompt")
     try:
         runner = ComfyRunner(model, positive, negative, cfg, sampler_name, scheduler=scheduler, steps=int(steps),
-                             seed=int(seed), **experts)
+                             seed=int(seed), latent_image=latent.samples, noise_mask=latent.noise_mask, **experts)
     except ValueError as error:
         name = getattr(error, "input_name", None) or (
             "sampler_name" if "sampler_name" in str(error) else "scheduler" if "scheduler" in str(error) else "model")
@@ -220,6 +230,19 @@ class CarnatorCache(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, cache_dir=None):
+        """ComfyUI's check of a prompt before any of its nodes runs: a cache_dir this node would refuse is refused
+        there, before a probe has spent model calls (read-only: nothing is created). A linked cache_dir (None here)
+        is checked when the node runs."""
+        if not isinstance(cache_dir, str):
+            return True
+        try:
+            check_cache_dir(cache_dir)
+        except StoreError as error:
+            return str(fail("Carnator Cache", "cache_dir", str(error)))
+        return True
+
+    @classmethod
     def execute(cls, cache_dir: str, size_limit_gb: float, blob_dir: str = "") -> io.NodeOutput:
         node = "Carnator Cache"
         size = check_number(node, "size_limit_gb", size_limit_gb)
@@ -233,11 +256,21 @@ class CarnatorCache(io.ComfyNode):
             raise fail(node, "blob_dir", "must be an absolute folder path (text), or empty")
         if blob_dir.strip() and not is_redis_url(cache_dir):
             raise fail(node, "blob_dir", "is for a farm: set cache_dir to its redis:// URL, or leave blob_dir empty")
+        if "\x00" in blob_dir:
+            raise fail(node, "blob_dir", f"{blob_dir[:200]!r} holds a NUL character (\\x00), which no folder name "
+                                         "can hold: retype the path")
         try:
             store = open_store(cache_dir, limit, blob_dir)
         except (StoreError, OSError) as error:
-            raise fail(node, "blob_dir" if "blob" in str(error) else "cache_dir", str(error)) from None
+            raise fail(node, _input_at_fault(error, blob_dir), str(error)) from None
         return io.NodeOutput(store)
+
+
+def _input_at_fault(error: Exception, blob_dir: str) -> str:
+    """The Carnator Cache input a store error is about: blob_dir when the farm's blob folder refused (its errors
+    name it first), else cache_dir, whatever the folder names contain."""
+    farm_folder = blob_dir.strip() and str(error).startswith(("blob_dir ", "Carnator blob folder "))
+    return "blob_dir" if farm_folder else "cache_dir"
 
 
 def _expect(node: str, name: str, value, kind: type, source: str):
@@ -331,13 +364,26 @@ _LATER_OVERRIDES = ("max_context_share", "few_step_resume_fraction")   # after t
 #                                                                       their widget order
 
 
+_THRESHOLD_STEP = 0.001
+
+
+def _threshold_input(name: str, balanced: float) -> io.Input:
+    """A gate setting's input, bounded as the gate bounds it (gate.SETTING_RANGES), so that ComfyUI refuses a value
+    outside before any node of the prompt runs; 0 keeps the risk level's preset."""
+    low, high = SETTING_RANGES[name]
+    below = name in BELOW_HIGH
+    allowed = f"({low}, {high})" if below else f"({low}, {high}]"
+    return io.Float.Input(name, default=0.0, min=0.0, max=high - _THRESHOLD_STEP if below else high,
+                          step=_THRESHOLD_STEP, optional=True,
+                          tooltip=f"0 = preset ({balanced} for balanced); otherwise a value in {allowed}")
+
+
 class CarnatorCompatibilityGate(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         balanced = RISK_POLICIES["balanced"]
-        thresholds, later = ([io.Float.Input(name, default=0.0, min=0.0, max=10.0, step=0.001, optional=True,
-                                             tooltip=f"0 = preset ({getattr(balanced, name)} for balanced)")
-                              for name in names] for names in (_OVERRIDES, _LATER_OVERRIDES))
+        thresholds, later = ([_threshold_input(name, getattr(balanced, name)) for name in names]
+                             for names in (_OVERRIDES, _LATER_OVERRIDES))
         return io.Schema(
             node_id="CarnatorCompatibilityGate", display_name="Carnator Compatibility Gate", category=CATEGORY,
             description="Decides, from the model's own early states, whether to reuse a cached trajectory and from "
@@ -383,10 +429,8 @@ class CarnatorCompatibilityGate(io.ComfyNode):
         config = make_config(node, bundle.probed.steps, bundle.config.probe_steps, risk,
                              bundle.config.block_size, bundle.config.sparse_attention, overrides)
         decision = pipeline.decide(bundle.probed, matches.candidates, config, matches.bucket_reasons)
-        summary = decision.summary()
-        send_decision(_hidden(cls, "unique_id"), summary)
-        return io.NodeOutput(DecisionBundle(bundle.token, matches.directory, decision, config), to_json(summary),
-                             ui=ui.PreviewText(summary_text(summary)))
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), decision.summary())
+        return io.NodeOutput(DecisionBundle(bundle.token, matches.directory, decision, config), summary_json, ui=text)
 
 
 def _latent_out(runner, bundle_extra: dict, latent) -> dict:
@@ -425,10 +469,8 @@ class CarnatorTrajectoryResume(io.ComfyNode):
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
                                  bundle.model_name)
-        summary = result.summary()
-        send_decision(_hidden(cls, "unique_id"), summary)
-        return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), to_json(summary),
-                             ui=ui.PreviewText(summary_text(summary)))
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), result.summary())
+        return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), summary_json, ui=text)
 
 
 class CarnatorSampler(io.ComfyNode):
@@ -459,10 +501,8 @@ class CarnatorSampler(io.ComfyNode):
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
                                    seed=int(seed), model_name=model_label(graph, unique_id))
-        summary = result.summary()
-        send_decision(unique_id, summary)
-        return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), to_json(summary),
-                             ui=ui.PreviewText(summary_text(summary)))
+        summary_json, text = _given_out(unique_id, result.summary())
+        return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), summary_json, ui=text)
 
 
 NODES = [CarnatorCache, CarnatorEarlyProbe, CarnatorSignatureCacheLookup, CarnatorCompatibilityGate,

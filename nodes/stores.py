@@ -16,6 +16,8 @@ import uuid
 
 from carnator_engine.store.backends import is_redis_url, refuse_other_urls
 from carnator_engine.store.backends.farm import LOCATION_JOIN
+from carnator_engine.store.backends.redis_store import shown_url
+from carnator_engine.store.marker import check_location, inspect
 from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore, StoreError
 
 DEFAULT_SIZE_LIMIT_GB = DEFAULT_SIZE_LIMIT / (1 << 30)   # the Carnator Cache node's default, in GiB
@@ -46,6 +48,10 @@ def _key(location: str) -> str:
     directory, never the server's working directory (which depends on how ComfyUI was started), and may not leave
     it (`..`): a shared workflow's cache_dir cannot reach folders elsewhere on the server."""
     location = location.strip()
+    if "\x00" in location:
+        shown = shown_url(location) if is_redis_url(location) else location[:200]
+        raise StoreError(f"cache_dir {shown!r} holds a NUL character (\\x00), which no folder name or URL can "
+                         "hold: retype the path")
     if is_redis_url(location):
         return location
     refuse_other_urls(location)
@@ -56,10 +62,22 @@ def _key(location: str) -> str:
         return os.path.normpath(directory)
     inside = os.path.abspath(user_directory())
     joined = os.path.normpath(os.path.join(inside, directory))
-    if os.path.commonpath([inside, joined]) != inside or joined == inside:
+    if os.path.commonpath([inside, joined]) != inside:
         raise StoreError(f"cache_dir {location!r} leaves ComfyUI's user directory ({inside}): give a folder inside "
                          "it (no '..'), or an absolute path")
+    if joined == inside:
+        raise StoreError(f"cache_dir {location!r} names ComfyUI's user directory itself ({inside}), which holds "
+                         "ComfyUI's own files: a store needs a folder of its own, such as 'carnator_cache' (or "
+                         "leave cache_dir empty for that default)")
     return joined
+
+
+def check_cache_dir(location: str) -> None:
+    """StoreError when opening `location` would be refused, found without creating, changing or deleting anything
+    (a Redis server is not asked): the Carnator Cache node's check before any node of a prompt runs."""
+    key = _key(location)
+    if not is_redis_url(key):
+        inspect(check_location(key))
 
 
 def remembered_stores() -> dict:

@@ -1,4 +1,4 @@
-"""Store writes held until they matter: for tests of the background write-back (carnator_engine/write_back.py)
+"""Store writes held until they matter: for tests of the background write-back (carnator_engine/store/write_back.py)
 that need a write still pending at an exact moment, with no timing (the `held_writes` fixture in conftest.py)."""
 import threading
 

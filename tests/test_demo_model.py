@@ -126,7 +126,8 @@ def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, 
 def test_demo_without_weights_names_the_missing_file(tmp_path, capsys):
     from carnator_engine.__main__ import main
     assert main(["demo", "--weights", str(tmp_path / "none.safetensors")]) == 2
-    assert "demo weights not found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "demo weights not found" in err and "python -m carnator_engine.demo.train --help" in err
 
 
 def test_demo_with_corrupt_weights_says_so_in_one_line(tmp_path, capsys, monkeypatch):

@@ -67,9 +67,9 @@ def test_where_reuse_cannot_pay_at_4_steps_the_gate_says_so(tiny_model, store):
     (4, CarnatorConfig(probe_steps=4), "probe_steps=4 must be between 1 and steps-1 \\(3\\)"),
     (1, CarnatorConfig(probe_steps=1), "the schedule has 1 step\\(s\\): Carnator needs at least 2"),
     (4, CarnatorConfig(probe_steps=1, gate_overrides={"few_step_resume_fraction": 1.0}),
-     "few_step_resume_fraction=1.0 would resume at the last step"),
+     "few_step_resume_fraction=1.0 is outside \\(0, 1\\): at 1 or more a hit would resume at the last step"),
     (30, CarnatorConfig(probe_steps=3, gate_overrides={"max_resume_fraction": 1.0}),
-     "max_resume_fraction=1.0 would resume at the last step"),
+     "max_resume_fraction=1.0 is outside \\(0, 1\\): at 1 or more"),
 ])
 def test_bad_few_step_inputs_are_refused_and_nothing_is_stored(tiny_model, store, steps, config, message):
     with pytest.raises(ValueError, match=message):

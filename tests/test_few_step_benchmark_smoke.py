@@ -3,7 +3,7 @@ through ComfyUI with the gate's few-step defaults. Guards the plumbing and the c
 import json
 import os
 
-from test_gpu_speed_smoke import ROOT, run_smoke, skip_without_comfyui
+from benchmark_smoke import ROOT, run_smoke, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "few_step.py")
 

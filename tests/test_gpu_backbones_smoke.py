@@ -2,13 +2,13 @@
 LTX-Video through the ComfyUI adapter with the default gate: plumbing, JSON and table; not speed) and of
 benchmarks/gate_transfer.py (per backbone one stored miss, then the default gate with no overrides answers nudged,
 new-seed and new-text requests, each with the share of chance it was judged by; the real-size margins are measured
-on the GPU). Skipped like the gpu_speed smoke test; the time limit only stops a hung run."""
+on the GPU). Skipped like every benchmark smoke test (tests/benchmark_smoke.py); the time limit only stops a hung run."""
 from __future__ import annotations
 
 import json
 import os
 
-from test_gpu_speed_smoke import ROOT, run_smoke, skip_without_comfyui
+from benchmark_smoke import ROOT, run_smoke, skip_without_comfyui
 
 TIME_LIMIT_S = 600
 

@@ -1,4 +1,4 @@
-"""CPU smoke run of benchmarks/gpu_compose.py (gpu_speed's smoke preset, cfg 1 only, one EasyCache threshold):
+"""CPU smoke run of benchmarks/gpu_compose.py (the GPU benchmarks' smoke preset, cfg 1 only, one EasyCache threshold):
 the script's plumbing and the composition it reports (a Carnator miss with EasyCache equals EasyCache alone,
 with the same model calls), not speed."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from test_gpu_speed_smoke import ROOT, TIME_LIMIT_S, skip_without_comfyui
+from benchmark_smoke import ROOT, TIME_LIMIT_S, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_compose.py")
 

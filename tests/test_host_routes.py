@@ -122,3 +122,57 @@ def test_delete_then_clear(host):
     status, listing = server.json("GET", "/carnator/entries")
     assert listing["entries"] == []
     assert json.loads(json.dumps(listing)) == listing
+
+
+def staged_prompt(cache_dir: str, **gate) -> dict:
+    """API-format staged chain (Probe -> Lookup -> Gate -> Resume) at 4 steps; its loaders name files the server does
+    not have, which only adds their own errors: ComfyUI checks every node of a prompt before running any."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "absent.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": "absent.safetensors", "type": "wan"}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPTS[0], "clip": ["2", 0]}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["2", 0]}},
+        "5": {"class_type": "EmptyHunyuanLatentVideo",
+              "inputs": {"width": 64, "height": 64, "length": 9, "batch_size": 1}},
+        "6": {"class_type": "CarnatorCache", "inputs": {"cache_dir": cache_dir, "size_limit_gb": 1.0}},
+        "7": {"class_type": "CarnatorEarlyProbe", "inputs": {
+            "model": ["1", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0], "seed": 1,
+            "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "probe_steps": 0,
+            "block_size": 0}},
+        "8": {"class_type": "CarnatorSignatureCacheLookup", "inputs": {"cache": ["6", 0], "probe": ["7", 0],
+                                                                       "limit": 3}},
+        "9": {"class_type": "CarnatorCompatibilityGate", "inputs": {"probe": ["7", 0], "matches": ["8", 0],
+                                                                    "risk": "balanced", **gate}},
+        "10": {"class_type": "CarnatorTrajectoryResume", "inputs": {
+            "cache": ["6", 0], "probe": ["7", 0], "decision": ["9", 0], "sparse_attention": True}},
+        "11": {"class_type": "SaveLatent", "inputs": {"samples": ["10", 0], "filename_prefix": "carnator/latent"}},
+    }
+
+
+def node_errors(server, prompt: dict, node_id: str) -> str:
+    """The errors ComfyUI's check of `prompt` gives node `node_id`, as one text; asserts nothing was queued."""
+    status, answer = server.json("POST", "/api/prompt", {"prompt": prompt})
+    assert status == 400, answer
+    errors = answer["node_errors"].get(node_id, {}).get("errors", [])
+    return "\n".join(f"{e['details']}: {e['message']}" for e in errors)
+
+
+def test_inputs_are_refused_before_any_node_runs(host, tmp_path):
+    """Through the HTTP API: a gate setting outside its real range, a cache_dir with a NUL byte or naming the user
+    directory itself, and a folder holding another program's WAL-mode database are refused by ComfyUI's check of the
+    prompt (400), before a probe could spend a model call; the folder is left exactly as it was."""
+    from test_store_marker import folder_state, foreign_wal_database
+    server, _, _ = host
+    good = str(tmp_path / "new_cache")
+    for name, value in (("few_step_resume_fraction", 1.0), ("max_resume_fraction", 1.5)):
+        shown = node_errors(server, staged_prompt(good, **{name: value}), "9")
+        assert name in shown and f"Value {value} bigger than max of 0.999" in shown, shown
+    assert node_errors(server, staged_prompt(good, max_attention=0.5), "9") == ""   # in range: no error there
+    for cache_dir, message in (("cache\x00dir", "holds a NUL character"),
+                               (".", "names ComfyUI's user directory itself"),
+                               (str(foreign_wal_database(tmp_path / "their_app")), "not a Carnator store")):
+        before = folder_state(tmp_path / "their_app")
+        shown = node_errors(server, staged_prompt(cache_dir), "6")
+        assert "input 'cache_dir'" in shown and message in shown, shown
+        assert folder_state(tmp_path / "their_app") == before
+    assert not (tmp_path / "new_cache").exists()

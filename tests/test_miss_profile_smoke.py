@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from test_gpu_speed_smoke import ROOT, TIME_LIMIT_S, skip_without_comfyui
+from benchmark_smoke import ROOT, TIME_LIMIT_S, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "miss_profile.py")
 

@@ -6,6 +6,7 @@ import pytest
 
 from carnator_engine.store import CarnatorStore, StoreError
 from carnator_engine.store.marker import MARKER_FILE
+from carnator_engine.store.owned_files import header
 from test_store import _put
 
 
@@ -28,9 +29,14 @@ def test_user_files_in_blobs_of_a_store_survive_every_open_and_delete(tmp_path):
         _old_file(path)
     (blobs / "0123456789abcdef.blob").mkdir()                 # a folder at an entry's name is not a file to delete
     (blobs / "0123456789abcdef.blob" / "inside.txt").write_bytes(b"user data")
-    orphan = _old_file(blobs / "fedcba9876543210.blob")
+    # Named exactly like Carnator's files and older than any grace period, but without the header that names
+    # this store: a name is no proof, so they stay.
+    users += [_old_file(blobs / "fedcba9876543210.blob"), _old_file(blobs / "fedcba9876543211.blob.0123abcd.tmp"),
+              _old_file(directory / "index.snapshot.0123abcd.tmp"), _old_file(directory / "space.reserve.4567cdef.tmp")]
+    orphan = _old_file(blobs / "0000000000000001.blob", header(store._backend.identity) + b"left by a crash")
+    temporary = _old_file(blobs / "0000000000000002.blob.89abcdef.tmp", header(store._backend.identity))
     reopened = CarnatorStore(str(directory), 64 << 20)
-    assert reopened.orphans_reclaimed == 1 and not orphan.exists()   # Carnator's own orphan goes
+    assert reopened.orphans_reclaimed == 2 and not orphan.exists() and not temporary.exists()   # Carnator's own go
     assert all(path.read_bytes() == b"user data" for path in users)
     assert (blobs / "0123456789abcdef.blob" / "inside.txt").exists()
     reopened.delete(kept)
@@ -110,7 +116,60 @@ def test_a_relative_cache_dir_stays_inside_the_user_directory(tmp_path, monkeypa
     user = tmp_path / "user"
     monkeypatch.setattr(stores, "user_directory", lambda: str(user))
     assert stores._key("caches/one") == str(user / "caches" / "one")
-    for escaping in ("../outside", "caches/../../outside", "..", "."):
+    for escaping in ("../outside", "caches/../../outside", ".."):
         with pytest.raises(StoreError, match="leaves ComfyUI's user directory"):
             stores._key(escaping)
+    for itself in (".", "./", "caches/.."):
+        with pytest.raises(StoreError, match="names ComfyUI's user directory itself .*a store needs a folder of its "
+                                             "own, such as 'carnator_cache'"):
+            stores._key(itself)
+    with pytest.raises(StoreError, match=r"cache_dir 'my\\x00cache' holds a NUL character .*retype the path"):
+        stores._key("my\x00cache")
     assert not (tmp_path / "outside").exists()
+
+
+def folder_state(folder) -> dict:
+    """Every file's and folder's bytes (None for a folder) and mtime under `folder`, the folder itself included."""
+    state = {".": (None, os.stat(folder).st_mtime_ns)}
+    for path in sorted(folder.rglob("*")):
+        state[str(path.relative_to(folder))] = (path.read_bytes() if path.is_file() else None,
+                                                path.stat().st_mtime_ns)
+    return state
+
+
+def foreign_wal_database(folder):
+    """A folder of another program: its WAL-mode SQLite cache.db (as a diskcache makes) and a note, all written
+    long ago. Nothing but that program may create its -wal and -shm files."""
+    import sqlite3
+    folder.mkdir()
+    connection = sqlite3.connect(str(folder / "cache.db"))
+    assert connection.execute("PRAGMA journal_mode=WAL").fetchone() == ("wal",)
+    connection.execute("CREATE TABLE Cache (key TEXT, raw INTEGER, value BLOB)")
+    connection.execute("INSERT INTO Cache VALUES ('settings', 1, 'theirs')")
+    connection.commit()
+    connection.close()                      # the last connection: SQLite checkpoints and removes -wal and -shm
+    _old_file(folder / "notes.txt")
+    for path in (folder / "cache.db", folder):
+        os.utime(path, (0, 0))
+    assert sorted(p.name for p in folder.iterdir()) == ["cache.db", "notes.txt"]
+    return folder
+
+
+@pytest.mark.parametrize("command", [["stats"], ["stats", "--verify"], ["clear", "--yes"]])
+def test_the_cli_refuses_another_programs_wal_database_and_touches_nothing(tmp_path, capsys, command):
+    from carnator_engine import __main__ as cli
+    folder = foreign_wal_database(tmp_path / "their_app")
+    before = folder_state(folder)
+    assert cli.main(command + ["--cache", str(folder)]) == 1
+    assert "(nothing created)" in capsys.readouterr().err
+    assert folder_state(folder) == before
+
+
+def test_opening_another_programs_wal_database_as_a_store_is_refused_and_touches_nothing(tmp_path, monkeypatch):
+    from nodes import stores
+    folder = foreign_wal_database(tmp_path / "their_app")
+    before = folder_state(folder)
+    for open_it in (lambda: CarnatorStore(str(folder)), lambda: stores.open_store(str(folder))):
+        with pytest.raises(StoreError, match="not a Carnator store.*nothing in it was touched"):
+            open_it()
+        assert folder_state(folder) == before

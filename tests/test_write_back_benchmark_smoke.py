@@ -1,11 +1,11 @@
-"""CPU smoke run of benchmarks/write_back.py (gpu_speed's smoke preset, one repeat, a 2-request session): the
+"""CPU smoke run of benchmarks/write_back.py (the GPU benchmarks' smoke preset, one repeat, a 2-request session): the
 script's plumbing (plain, a miss timed until returned and until written, the session, JSON), not speed."""
 from __future__ import annotations
 
 import json
 import os
 
-from test_gpu_speed_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
+from benchmark_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "write_back.py")
 

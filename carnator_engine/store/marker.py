@@ -17,14 +17,16 @@ import json
 import os
 import re
 import sqlite3
+import urllib.parse
 import uuid
 
-from .errors import StoreError
+from .errors import StoreError, StoreUnavailable
 
 MARKER_FILE = "carnator-store.json"
 FORMAT = "carnator-store"
 FORMAT_VERSION = 1
 DATABASE_FILE = "cache.db"
+SQLITE_HEADER = b"SQLite format 3\x00"   # the first bytes of every SQLite database file
 IDENTITY = re.compile(r"[0-9a-f]{32}")
 MARKER_TEMPORARY = re.compile(re.escape(MARKER_FILE) + r"\.[0-9a-f]{8}\.tmp")
 # Never a store: these folders themselves (a store needs a folder of its own) ...
@@ -51,12 +53,20 @@ def check_location(directory: str) -> str:
 
 
 def _legacy_identity(directory: str):
-    """The identity key of a store made before the marker existed (Carnator's diskcache database), else None."""
+    """The identity key of a store made before the marker existed (Carnator's diskcache database), else None.
+    Read without changing anything in the folder: a file that is no SQLite database is never opened by SQLite, and
+    a database is opened immutable, since even a read-only connection to a WAL-mode database (diskcache's, another
+    program's) creates its -wal and -shm files beside it. An identity written only to a WAL file not yet
+    checkpointed is not seen: that folder is refused, which costs nobody a file."""
     database = os.path.join(directory, DATABASE_FILE)
-    if not os.path.isfile(database) or os.path.getsize(database) == 0:
+    try:
+        with open(database, "rb") as handle:
+            if handle.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+                return None
+    except (OSError, ValueError):    # ValueError: a path no file can have (a NUL byte)
         return None
     try:
-        connection = sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=30)
+        connection = sqlite3.connect(f"file:{urllib.parse.quote(database)}?immutable=1", uri=True)
         try:
             row = connection.execute("SELECT value FROM Cache WHERE key = 'store' AND raw = 1").fetchone()
         finally:
@@ -67,14 +77,16 @@ def _legacy_identity(directory: str):
     return identity if isinstance(identity, str) and IDENTITY.fullmatch(identity) else None
 
 
-def _read_marker(directory: str) -> str:
+def read_marker(directory: str) -> dict:
+    """The marker's fields (format, version, identity; a blob folder's also `farm`, the identity of the farm
+    whose folder it is, and `redis`, where that farm's Redis was when it was made); StoreError when damaged."""
     path = os.path.join(directory, MARKER_FILE)
     try:
         with open(path, "rb") as handle:
             value = json.loads(handle.read(4096))
         identity, version = value["identity"], value["version"]
         if value.get("format") != FORMAT or not isinstance(identity, str) or not IDENTITY.fullmatch(identity) \
-                or not isinstance(version, int):
+                or not isinstance(version, int) or not isinstance(value.get("farm", identity), str):
             raise ValueError("not a Carnator store marker")
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise StoreError(f"Carnator cache {directory!r}: its marker {MARKER_FILE} is unreadable or damaged "
@@ -82,21 +94,29 @@ def _read_marker(directory: str) -> str:
     if version > FORMAT_VERSION:
         raise StoreError(f"Carnator cache {directory!r} was made by a newer Carnator (store format {version}, this "
                          f"one reads {FORMAT_VERSION}): update Carnator or choose another cache path")
-    return identity
+    return value
 
 
-def _write_marker(directory: str, identity: str) -> None:
-    """Whole or not at all, and never over another process's marker: a temporary file, hard-linked into place
-    (fails where the marker exists), so two processes creating one store at once agree on its identity."""
+def _read_marker(directory: str) -> str:
+    return read_marker(directory)["identity"]
+
+
+def _write_marker(directory: str, identity: str, replace: bool = False, **fields) -> None:
+    """Whole or not at all, and never over another process's marker (unless `replace`: the same store's marker
+    with `fields` added): a temporary file, hard-linked into place (fails where the marker exists), so two
+    processes creating one store at once agree on its identity."""
     final = os.path.join(directory, MARKER_FILE)
     temporary = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
-    data = json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "identity": identity}).encode()
+    data = json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "identity": identity, **fields}).encode()
     try:
         with open(temporary, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         try:
+            if replace:
+                os.replace(temporary, final)
+                return
             os.link(temporary, final)
         except FileExistsError:
             pass                           # another process marked it first: its identity is the store's
@@ -122,31 +142,58 @@ def is_marked(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, MARKER_FILE)) or _legacy_identity(directory) is not None
 
 
-def claim(directory: str) -> str:
-    """The identity of the Carnator store in `directory` (an absolute path checked by check_location): read from
-    its marker; a legacy store adopted (marked with its own identity); a missing or empty folder made a new store.
-    StoreError for a folder that is not a Carnator store, with nothing in it touched."""
+def inspect(directory: str):
+    """Read-only, what claim would find in `directory` (an absolute path checked by check_location): the identity of
+    the Carnator store there (marked, or from before the marker), None for a missing or empty folder (claim makes a
+    new store there), StoreError for a folder claim refuses. Creates, changes and deletes nothing."""
     if os.path.isfile(os.path.join(directory, MARKER_FILE)):
         return _read_marker(directory)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise StoreError(f"Carnator cache {directory!r} is a file, not a folder: choose a folder path")
     identity = _legacy_identity(directory)
-    if identity is None:
-        try:
-            present = os.listdir(directory)
-        except (FileNotFoundError, NotADirectoryError):
-            present = []                   # made below (or found not writable there)
-        except OSError as error:
-            raise StoreError(f"Carnator cache directory {directory!r} cannot be read ({error.strerror or error}): "
-                             "fix its permissions or choose another cache path") from error
-        if [name for name in present if not _marker_temporary(name)]:  # only a marker in flight: still empty
-            raise StoreError(f"Carnator cache {directory!r} is a folder that is not a Carnator store (not empty, "
-                             f"no {MARKER_FILE}): choose an empty or new folder; nothing in it was touched")
-        identity = uuid.uuid4().hex
+    if identity is not None:
+        return identity
+    try:
+        present = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return None                        # made by claim (or found not writable there)
+    except OSError as error:
+        raise StoreError(f"Carnator cache directory {directory!r} cannot be read ({error.strerror or error}): "
+                         "fix its permissions or choose another cache path") from error
+    if [name for name in present if not _marker_temporary(name)]:  # only a marker in flight: still empty
+        raise StoreError(f"Carnator cache {directory!r} is a folder that is not a Carnator store (not empty, "
+                         f"no {MARKER_FILE}): choose an empty or new folder; nothing in it was touched")
+    return None
+
+
+def claim(directory: str, create: bool = True, **fields) -> str:
+    """The identity of the Carnator store in `directory` (an absolute path checked by check_location): read from
+    its marker; a legacy store adopted (marked with its own identity); a missing or empty folder made a new store
+    (marked with `fields` too) when `create`, else StoreUnavailable: a store known to exist whose folder is
+    missing or empty is a dropped mount, and marking the mount point would hide the store behind a new one.
+    StoreError for a folder that is not a Carnator store, with nothing in it touched (inspect decides)."""
+    identity = inspect(directory)
+    if os.path.isfile(os.path.join(directory, MARKER_FILE)):
+        return identity
+    if identity is None and not create:
+        raise StoreUnavailable(f"Carnator folder {directory!r} is missing or empty, but its store exists: is "
+                               "the shared folder mounted? (nothing was written there)")
     try:
         os.makedirs(directory, exist_ok=True)
-        _write_marker(directory, identity)
+        _write_marker(directory, identity or uuid.uuid4().hex, **fields)
     except OSError as error:
         raise StoreError(f"Carnator cache directory {directory!r} is not writable ({error.strerror or error}): "
                          "choose another cache path") from error
     return _read_marker(directory)
+
+
+def add_to_marker(directory: str, **fields) -> None:
+    """Writes `fields` into the folder's marker, identity and what it held kept (a marker from before a field)."""
+    value = read_marker(directory)
+    value.update(fields)
+    try:
+        _write_marker(directory, value.pop("identity"), replace=True,
+                      **{k: v for k, v in value.items() if k not in ("format", "version")})
+    except OSError as error:
+        raise StoreError(f"Carnator folder {directory!r}: its marker could not be written "
+                         f"({error.strerror or error}): fix its permissions") from error

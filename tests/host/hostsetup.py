@@ -81,10 +81,17 @@ def import_host(path: str):
     return nodes
 
 
-def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: int = 2, channels: int = 16) -> str:
+TINY_WAN21_I2V = "carnator_test_wan21_i2v.safetensors"
+TINY_WAN22_I2V_HIGH, TINY_WAN22_I2V_LOW = "carnator_test_wan22_i2v_high.safetensors", "carnator_test_wan22_i2v_low.safetensors"
+
+
+def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: int = 2, channels: int = 16,
+                   image_to_video: str = "") -> str:
     """A dim-256 Wan 2.1 T2V model (2 blocks unless told) with random weights, saved where UNETLoader finds it
     (Wan 2.2 A14B's experts are this class too: two of them, other seeds, are a tiny two-expert pair). With
-    48 latent channels in and out, ComfyUI's model detection loads it as Wan 2.2 TI2V 5B (WAN22_T2V)."""
+    48 latent channels in and out, ComfyUI's model detection loads it as Wan 2.2 TI2V 5B (WAN22_T2V).
+    image_to_video "wan21": 36 input channels (latent, image latent, mask) and the CLIP vision projection, as
+    Wan 2.1 I2V (WAN21_I2V); "wan22": 36 input channels without it, as Wan 2.2 I2V A14B's experts."""
     import safetensors.torch
     import torch
     import comfy.ops
@@ -94,7 +101,8 @@ def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: 
     path = os.path.join(directory, name)
     if not os.path.exists(path):
         generator = torch.Generator().manual_seed(seed)
-        model = WanModel(model_type="t2v", patch_size=(1, 2, 2), in_dim=channels, dim=256, ffn_dim=512,
+        model = WanModel(model_type="i2v" if image_to_video == "wan21" else "t2v", patch_size=(1, 2, 2),
+                         in_dim=channels + 20 if image_to_video else channels, dim=256, ffn_dim=512,
                          freq_dim=256, text_dim=4096, out_dim=channels, num_heads=2, num_layers=layers,
                          operations=comfy.ops.disable_weight_init)
         with torch.no_grad():
@@ -268,3 +276,33 @@ def import_plugin_package(name: str = "carnator_plugin_under_test"):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+FIXTURE_NODES = REPO / "tests" / "host" / "fixture_nodes" / "carnator_e2e_fixture"
+
+
+def fixture_module():
+    """The test fixture node pack (E2ETextConditioning, E2EPixelVAE, ...) imported in this process."""
+    import importlib.util
+    name = "carnator_e2e_fixture_in_process"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, FIXTURE_NODES / "__init__.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def start_image(kind: str, size: int = 128):
+    """IMAGE [1, size, size, 3] in [0, 1]: "sunset" (a warm vertical gradient with a disc) or "forest" (a green
+    horizontal gradient with stripes): two start images an image-to-video request could begin from."""
+    import torch
+    ramp = torch.linspace(0.0, 1.0, size)
+    y, x = torch.meshgrid(ramp, ramp, indexing="ij")
+    if kind == "sunset":
+        disc = (((x - 0.5) ** 2 + (y - 0.6) ** 2) < 0.04).float()
+        image = torch.stack([0.6 + 0.4 * y, 0.3 * y + 0.5 * disc, 0.2 * (1 - y)], dim=-1)
+    else:
+        stripes = (torch.sin(x * 25.0) > 0).float()
+        image = torch.stack([0.1 * x, 0.4 + 0.4 * x * stripes, 0.2 + 0.1 * stripes], dim=-1)
+    return image.clamp(0, 1).unsqueeze(0)

@@ -22,6 +22,7 @@ import torch
 
 import hostsetup
 from conftest import CallCounter
+from test_store_marker import folder_state, foreign_wal_database
 
 STEPS, PROBE, CFG, SEED = 10, 2, 5.0, 42
 HERE = Path(__file__).resolve().parent
@@ -59,10 +60,10 @@ def sample(comfy, *args, **kwargs):
     return latent_out, summary
 
 
-def nudged(conditioning):
+def nudged(conditioning, scale=1.001):
     """The same conditioning a hair off (a creator's one-word edit, at its smallest): a new request, so a reuse
     goes through the probe and the gate rather than replaying an exact repeat."""
-    return [[tensor * 1.001, dict(options)] for tensor, options in conditioning]
+    return [[tensor * scale, dict(options)] for tensor, options in conditioning]
 
 
 def store_state(store):
@@ -248,6 +249,11 @@ def test_cache_node_blob_dir_makes_a_farm_whose_hits_cross_workers(comfy, plugin
         other.close()
         with pytest.raises(Exception, match="blob_dir.*redis://"):
             node(comfy, "CarnatorCache")(str(tmp_path / "disk"), 1.0, blobs)
+        from redis_server import free_port   # a farm whose Redis is down: the node gives a store all the same,
+        down = node(comfy, "CarnatorCache")(f"redis://127.0.0.1:{free_port()}/0", 1.0, str(tmp_path / "b2"))[0]
+        out = sampler_output(comfy, counted.model, down, positive, negative, latent)   # which generates in full
+        assert not json.loads(out.result[1])["reuse"] and "cannot be reached" in hostsetup.shown_text(out)
+        assert not os.path.exists(tmp_path / "b2")
     finally:
         server.stop()
 
@@ -555,6 +561,17 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
         open_cache(comfy, blocker / "cache")
     with pytest.raises(ValueError, match=r"input 'size_limit_gb': size_limit_gb=0.0001 is below the minimum"):
         open_cache(comfy, tmp_path / "cache", size_gb=0.0001)
+    blob_named = tmp_path / "my_blobs_file"               # a folder name holding "blob" is still cache_dir's fault
+    blob_named.write_text("not a folder")
+    with pytest.raises(ValueError, match=r"^Carnator Cache: input 'cache_dir': .*my_blobs_file.* is a file"):
+        open_cache(comfy, blob_named)
+    with pytest.raises(ValueError, match=r"^Carnator Cache: input 'cache_dir': .* holds a NUL character"):
+        open_cache(comfy, str(tmp_path / "ca\x00che"))
+    foreign = foreign_wal_database(tmp_path / "their_app")   # another program's folder: refused, nothing touched
+    untouched = folder_state(foreign)
+    with pytest.raises(ValueError, match=r"input 'cache_dir': .*not a Carnator store.*nothing in it was touched"):
+        open_cache(comfy, foreign)
+    assert folder_state(foreign) == untouched
     assert store_state(cache) == before
 
 
