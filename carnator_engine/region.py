@@ -54,11 +54,13 @@ class RegionTokens:
         self.active = False         # this step runs the target tokens only
         self.capturing = False      # this step runs every token and keeps the others' keys and values
         self.slot = -1              # which forward of the step (cond and uncond may run apart)
-        self.keys_values: dict = {}   # (block, slot) -> (k, v) of the other tokens, [B, heads, L_other, D]
+        # (block, slot) -> (keys, values, front): [B, heads, front + L_other, D], the other tokens' rows after `front`
+        self.keys_values: dict = {}
         self.text_tokens: Optional[int] = None
         self.tokens_through_blocks = 0   # rows the first block received over the run (tests, benchmarks)
         self.missing = ""           # why a region step ran without the others' keys and values ("" if never)
         self._gathered: dict = {}
+        self._indices: dict = {}
 
     @property
     def share(self) -> float:
@@ -133,27 +135,47 @@ class RegionTokens:
         return len(self.kept) if self.active else self.length
 
     def _index(self, device, with_text: bool) -> torch.Tensor:
-        index = self.kept.to(device)
-        if with_text and self.text_tokens:
-            index = torch.cat([index, torch.arange(self.length, self.length + self.text_tokens, device=device)])
-        return index
+        """The kept rows' indices on `device` (then the text rows'), copied there once: a copy per block would stall
+        the GPU's queue."""
+        key = (str(device), with_text and bool(self.text_tokens), self.text_tokens)
+        if key not in self._indices:
+            index = self.kept.to(device)
+            if key[1]:
+                index = torch.cat([index, torch.arange(self.length, self.length + self.text_tokens, device=device)])
+            self._indices[key] = index
+        return self._indices[key]
+
+    def _others(self, device) -> torch.Tensor:
+        key = (str(device), "others")
+        if key not in self._indices:
+            self._indices[key] = self.others.to(device)
+        return self._indices[key]
 
     # ---- self-attention ----
 
     def attention_inputs(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """(k, v) to attend with, [B, heads, L, D] with the video rows first: at a full step the others' rows are
-        kept; at a region step they are appended (attention does not depend on the order of its keys)."""
+        """(k, v) to attend with, [B, heads, L, D]: at a full step the other tokens' rows are kept; at a region step
+        the step's own rows go in front of them (attention does not depend on the order of its keys), written into
+        one buffer per block and forward that is reused from step to step."""
         key = (block, max(self.slot, 0))
         if self.capturing:
-            index = self.others.to(k.device)
-            self.keys_values[key] = (k.index_select(2, index), v.index_select(2, index))
+            index = self._others(k.device)
+            self.keys_values[key] = (k.index_select(2, index), v.index_select(2, index), 0)
             return k, v
         if not self.active:
             return k, v
         held = self.keys_values.get(key)
-        if held is None or held[0].shape[0] != k.shape[0] or held[0].shape[1:2] != k.shape[1:2] \
-                or held[0].shape[-1] != k.shape[-1]:
+        if held is None or held[0].shape[:2] != k.shape[:2] or held[0].shape[-1] != k.shape[-1] \
+                or held[0].dtype != k.dtype:
             self.missing = self.missing or (f"block {block}, forward {key[1]}: no keys and values of the other tokens "
                                             "were captured for it; the target attended to itself only")
             return k, v
-        return torch.cat([k, held[0].to(k.dtype)], dim=2), torch.cat([v, held[1].to(v.dtype)], dim=2)
+        keys, values, front = held
+        rows = int(k.shape[2])
+        if front != rows:      # the first region step of this block: room in front of the others' rows
+            keys = torch.cat([k.new_empty(*k.shape[:2], rows, k.shape[-1]), keys[:, :, front:]], dim=2)
+            values = torch.cat([v.new_empty(*v.shape[:2], rows, v.shape[-1]), values[:, :, front:]], dim=2)
+            self.keys_values[key] = (keys, values, rows)
+        keys[:, :, :rows].copy_(k)
+        values[:, :, :rows].copy_(v)
+        return keys, values

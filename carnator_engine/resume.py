@@ -143,11 +143,13 @@ def region_only_steps(runner, x: torch.Tensor, sigmas: torch.Tensor, k: int, pay
     request's flow line (its checkpoint at k towards its final latent) at that step's sigma."""
     steps = len(sigmas) - 1
     end = max(k + 1, steps - full_tail)
-    observer.region = region
+    # the sampler's latent outside the target is not computed in these steps: none of them is kept as a checkpoint
+    # of the new entry (a later hit resumes from the joined latent at `end` or after)
+    observer.region, checkpoints, observer.checkpoints = region, observer.checkpoints, None
     try:
         own = runner.run(x, sigmas, k, end, observer)
     finally:
-        observer.region = None
+        observer.region, observer.checkpoints = None, checkpoints
     if not len(region.others):
         return own, end
     inside = latent_mask_of_tokens(runner.layout, region.target, x.shape[-3:]).to(own.device)

@@ -93,6 +93,22 @@ def test_only_the_target_tokens_go_through_the_blocks_and_attend_to_the_whole_cl
     assert all(s == (True, batch, kept, length) for s in region_attention)     # target queries, every key
     assert result.model_calls == probed.model_calls + (m is not None) + STEPS - k and not result.warnings
     assert torch.isfinite(result.latent).all()
+    assert torch.equal(store.trajectory(store.record(result.entry_id)).final, result.latent.cpu())
+
+
+def test_a_region_only_hit_keeps_no_checkpoint_of_its_region_steps(tiny_model, store):
+    """Outside the target, the sampler's latent in a region step is not the clip: a later hit must never resume
+    from it. The joined latent entering the last full step is kept."""
+    from carnator_engine.observer import CheckpointRecorder
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    payload = store.trajectory(store.record(decision.entry_id))
+    decision, region, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
+    assert region is not None
+    observer = GenerationObserver(checkpoints=CheckpointRecorder(frozenset(range(STEPS))))
+    resume_stage.follow_entry(runner, probed, decision, payload, config, observer, region)
+    end = STEPS - config.region_full_steps
+    kept = set(observer.checkpoints.latents)
+    assert end in kept and not kept & set(range(decision.resume_step, end))
 
 
 class GenerationStoreView:
@@ -161,7 +177,9 @@ def test_block_arguments_are_cut_along_their_token_axis_and_put_back():
     target[[1, 5, 7]] = True
     region = RegionTokens(target, frozenset({0}))
     region.begin_step(0)
-    region.keys_values[(0, 0)] = (torch.zeros(1, 2, 9, 4), torch.zeros(1, 2, 9, 4))
+    region.forward()
+    captured = torch.arange(12.0).reshape(1, 1, 12, 1).expand(1, 2, 12, 4)
+    region.attention_inputs(0, captured, captured, captured)     # the full step keeps the other 9 tokens' rows
     region.begin_step(1)
     assert region.active and region.video_tokens() == 3
     region.forward()
@@ -178,9 +196,10 @@ def test_block_arguments_are_cut_along_their_token_axis_and_put_back():
     back = region.scatter(joint)
     assert back.shape == (1, 16, 2) and back[0, [1, 5, 7], 0].tolist() == [1, 5, 7]
     assert back[0, 0].abs().sum() == 0 and back[0, 12:, 0].tolist() == [-1.0] * 4
-    q = torch.zeros(1, 2, 3, 4)
-    k, v = region.attention_inputs(0, q, q, q)
-    assert k.shape[2] == 12
+    for step in (1, 2):                                            # the buffer is rewritten in front each step
+        q = torch.full((1, 2, 3, 4), -float(step))
+        k, v = region.attention_inputs(0, q, q, q)
+        assert k.shape[2] == 12 and k[0, 0, :, 0].tolist() == [-step] * 3 + [0, 2, 3, 4, 6, 8, 9, 10, 11]
     k, _ = region.attention_inputs(1, q, q, q)                     # a block nothing was captured for
     assert k.shape[2] == 3 and "no keys and values" in region.missing
 
