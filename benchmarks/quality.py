@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -269,6 +270,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
                          "psnr": psnr(clip, reference[key]), "ssim": ssim(clip, reference[key]),
                          "seam_psnr": None if band is None else psnr(clip[:, band], reference[key][:, band])})
         store.close()
+        shutil.rmtree(store_dir, ignore_errors=True)   # a long run's entries would fill the disk
     return rows
 
 
@@ -335,6 +337,7 @@ def summarize(rows, steps, reference_rows, world=WORLDS["v1"]):
         "psnr": sum(r["psnr"] for r, _ in rows_scored) / n,
         "ssim": sum(r["ssim"] for r, _ in rows_scored) / n,
         "psnr_on_hits": (sum(r["psnr"] for r, _ in reused) / len(reused)) if reused else None,
+        "ssim_on_hits": (sum(r["ssim"] for r, _ in reused) / len(reused)) if reused else None,
         # a hit's region border (region-only's seam; for a whole-clip hit the same cells), against no reuse
         "seam_psnr_on_hits": mean_of([r.get("seam_psnr") for r, _ in reused]),
         "compute_saved": 1 - sum(r.get("compute", r["model_calls"]) for r, _ in rows_scored) / (steps * n),

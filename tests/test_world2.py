@@ -1,11 +1,12 @@
 import json
+import os
 import re
 
 import pytest
 import torch
 
 from carnator_engine.backbones.tiny_dit import load_tiny_dit, tokenize
-from carnator_engine.demo import train, world2
+from carnator_engine.demo import DEMO_WEIGHTS_V2, train, world2
 from carnator_engine.demo.world2 import OBJECT_ATTRIBUTES, POSITIONS, VALUES, VOCABULARY
 
 
@@ -169,3 +170,14 @@ def test_training_smoke_writes_world2_weights_and_report(tmp_path):
     assert report["training"]["world"] == "v2"
     assert report["evaluation"]["analyzer_on_ground_truth"]["all"] == 1.0
     assert set(report["accuracy"]) == set(world2.SCORES) | {"all", "mean"}
+
+
+@pytest.mark.skipif(not os.path.exists(DEMO_WEIGHTS_V2), reason=f"world v2's demo weights {DEMO_WEIGHTS_V2} are "
+                    "missing: train them with `python3 -m carnator_engine.demo.train --world v2 --out ...`")
+def test_world2_demo_weights_are_small_fp16_and_speak_world2():
+    from safetensors.torch import load_file
+    assert os.path.getsize(DEMO_WEIGHTS_V2) <= 8.5e6
+    assert {t.dtype for t in load_file(DEMO_WEIGHTS_V2).values()} == {torch.float16}
+    model = load_tiny_dit(DEMO_WEIGHTS_V2)
+    assert model.config.vocabulary == VOCABULARY and model.config.text_len == world2.TEXT_LEN
+    assert model.config.latent_shape == world2.CLIP_SHAPE
