@@ -10,8 +10,9 @@ runs steps [start, end) and returns the latent entering `end`, and `preview(late
 [3, H, W] in [-1, 1] for the thumbnail. Optional: `uncacheable` (why this model must be generated without
 the cache: an option its fingerprint cannot read), `model_text` (the model's options, for people),
 `step_cache` (the per-request step cache running inside, by name), `counts_forwards` (the runner reports
-each diffusion-model forward to observer.forward(); otherwise a step counts as one call) and
-`changed_since_fingerprint()` (why the model no longer matches its fingerprint, "" when it does).
+each diffusion-model forward to observer.forward(); otherwise a step counts as one call),
+`changed_since_fingerprint()` (why the model no longer matches its fingerprint, "" when it does) and
+`fresh_step_cache()` (the next run starts its step cache afresh: after a region-only run, resume.py).
 """
 from __future__ import annotations
 

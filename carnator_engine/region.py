@@ -44,13 +44,12 @@ class RegionTokens:
     """One region-only run's state on the observer: which tokens go through the blocks, and the keys and values of
     the rest, captured at full steps (`full_steps`) and attended to at every other step."""
 
-    def __init__(self, target: torch.Tensor, full_steps: frozenset, joint_text: bool = False):
+    def __init__(self, target: torch.Tensor, full_steps: frozenset):
         self.target = target.bool().flatten()
         self.length = int(self.target.numel())
         self.kept = self.target.nonzero().flatten()
         self.others = (~self.target).nonzero().flatten()
         self.full_steps = frozenset(full_steps)
-        self.joint_text = joint_text
         self.active = False         # this step runs the target tokens only
         self.capturing = False      # this step runs every token and keeps the others' keys and values
         self.slot = -1              # which forward of the step (cond and uncond may run apart)
@@ -61,10 +60,6 @@ class RegionTokens:
         self.missing = ""           # why a region step ran without the others' keys and values ("" if never)
         self._gathered: dict = {}
         self._indices: dict = {}
-
-    @property
-    def share(self) -> float:
-        return len(self.kept) / max(1, self.length)
 
     # ---- the sampler's order ----
 
@@ -125,7 +120,7 @@ class RegionTokens:
         kept = len(self.kept)
         text = int(hidden.shape[1]) - kept
         out = hidden.new_zeros(hidden.shape[0], self.length + text, *hidden.shape[2:])
-        out.index_copy_(1, self.kept.to(hidden.device), hidden[:, :kept])
+        out.index_copy_(1, self._index(hidden.device, with_text=False), hidden[:, :kept])
         if text:
             out[:, self.length:] = hidden[:, kept:]
         return out

@@ -150,6 +150,9 @@ def region_only_steps(runner, x: torch.Tensor, sigmas: torch.Tensor, k: int, pay
         own = runner.run(x, sigmas, k, end, observer)
     finally:
         observer.region, observer.checkpoints = None, checkpoints
+    fresh = getattr(runner, "fresh_step_cache", None)
+    if fresh is not None:     # a step cache's state from these steps would skip the full steps with their changes
+        fresh()
     if not len(region.others):
         return own, end
     inside = latent_mask_of_tokens(runner.layout, region.target, x.shape[-3:]).to(own.device)

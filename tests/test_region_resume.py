@@ -235,3 +235,18 @@ def test_a_hit_with_no_target_tokens_resumes_whole_clip(tiny_model, store):
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     assert result.decision.reuse and result.decision.numbers["region_only"] is False
     assert any("no target tokens" in r and "whole-clip resume" in r for r in result.decision.reasons)
+
+
+def test_a_step_cache_starts_afresh_after_the_region_steps(tiny_model, store, monkeypatch):
+    """EasyCache's state after region steps holds changes of the target tokens alone: the full steps after them must
+    not skip with it (ComfyRunner.fresh_step_cache drops the state carried from run to run)."""
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    events = []
+    original = TinyDiTRunner.run
+    monkeypatch.setattr(TinyDiTRunner, "run", lambda self, x, sigmas, start, end, observer: (
+        events.append(("run", start, observer.region is not None)), original(self, x, sigmas, start, end, observer))[1])
+    runner.fresh_step_cache = lambda: events.append(("fresh",))
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    assert result.decision.numbers["region_only"]
+    k, end = result.decision.resume_step, STEPS - config.region_full_steps
+    assert events[-3:] == [("run", k, True), ("fresh",), ("run", end, False)]

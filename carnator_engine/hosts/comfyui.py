@@ -497,6 +497,11 @@ class ComfyRunner:
                 "runs (a closure over a counter or a cache) cannot be fingerprinted: its node can declare a "
                 "`carnator_fingerprint`")
 
+    def fresh_step_cache(self) -> None:
+        """The next run starts its step cache (EasyCache, LazyCache) afresh instead of continuing the last run's
+        state: after a region-only run, that state holds changes measured on the target tokens alone."""
+        self.carry = StepCacheCarry()
+
     def with_step_callback(self, step_callback: Optional[StepCallback]) -> "ComfyRunner":
         clone = object.__new__(ComfyRunner)
         clone.__dict__.update(self.__dict__)
