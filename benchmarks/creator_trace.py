@@ -18,12 +18,13 @@ The seed habit decides the seeds, as ComfyUI's seed widget does: "fixed" keeps t
 seed either way (dragging an earlier output into ComfyUI restores its workflow, seed included).
 
 The trace knows nothing of a world's internals: a world is anything with the four methods of `TraceWorld`
-(`AttributeWorld` adapts a world of flat attributes such as carnator_engine/demo/world.py). Its requests carry
-`attributes`, `prompt`, `seed` and `tags` (the operation, session, parent request): what benchmarks/quality.py's
-runner reads.
+(`AttributeWorld` adapts a world of flat attributes such as carnator_engine/demo/world.py, `SceneWorld` world v2).
+Its requests carry `attributes`, `prompt`, `seed` and `tags` (the operation, session, parent request): what
+benchmarks/quality.py's runner reads.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
@@ -96,6 +97,35 @@ def demo_world() -> AttributeWorld:
     return AttributeWorld(values=dict(world.VALUES), details=("size", "speed"), prompt_of=world.prompt,
                           random_scene=lambda generator: world.random_attributes(generator=generator),
                           wordings=(adjectives_swapped, adverb_first))
+
+
+class SceneWorld:
+    """The TraceWorld of carnator_engine/demo/world2.py (world v2: two or three objects, one per quadrant). A nudge
+    resizes one object; an edit is one of world v2's other edits (an object's colour, shape or motion, the
+    background, an object added, removed or moved), so most change a quarter of the clip; a paraphrase lists the
+    objects in another order, which world v2's demo model was trained to read as the same scene."""
+
+    def __init__(self):
+        from carnator_engine.demo import world2
+        self.world = world2
+
+    def new_scene(self, generator):
+        return self.world.random_scene(generator=generator)
+
+    def prompt(self, scene):
+        return self.world.prompt(scene)
+
+    def paraphrase(self, scene, generator):
+        usual = list(scene["objects"])
+        orders = [list(order) for order in itertools.permutations(usual) if list(order) != usual]
+        return self.world.prompt(scene, orders[_pick(len(orders), generator)])
+
+    def change(self, scene, kind, generator):
+        if kind not in ("edit", "nudge"):
+            raise ValueError(f"kind must be 'edit' or 'nudge', got {kind!r}")
+        kinds = ("size",) if kind == "nudge" else tuple(k for k in self.world.EDITS if k != "size")
+        changed, made, _ = self.world.edit(scene, kinds[_pick(len(kinds), generator)], generator)
+        return changed, made
 
 
 @dataclass(frozen=True)
@@ -229,5 +259,5 @@ def trace_stats(trace: list) -> dict:
             "unique_prompts": len({request.prompt for request in trace})}
 
 
-__all__ = ["OPERATIONS", "SEED_HABITS", "TraceWorld", "AttributeWorld", "demo_world", "TraceMix", "TraceRequest",
-           "generate_trace", "trace_stats"]
+__all__ = ["OPERATIONS", "SEED_HABITS", "TraceWorld", "AttributeWorld", "demo_world", "SceneWorld", "TraceMix",
+           "TraceRequest", "generate_trace", "trace_stats"]

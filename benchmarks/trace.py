@@ -48,7 +48,7 @@ DEFAULT_RISK = "balanced"
 # look-alike pairs: what reads alike but must not be reused (world.adversarial_pairs kinds)
 LOOK_ALIKE = ("direction", "color", "shape")
 # evaluation world (quality.py --world) -> its TraceWorld; a world joins the trace by adding its adapter here
-TRACE_WORLDS = {"v1": creator_trace.demo_world}
+TRACE_WORLDS = {"v1": creator_trace.demo_world, "v2": creator_trace.SceneWorld}
 
 
 def methods(fewer_steps: int) -> dict:

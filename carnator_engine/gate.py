@@ -227,12 +227,16 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
     """Returns (resume_step or None, refine step or None, target cells, numbers, reasons) for one candidate."""
     cells, numbers = measure(candidate, policy)
     distance = candidate.distance
-    limits = [("pooled block states", distance.hidden, policy.max_hidden),
-              ("attention structure", distance.attention, policy.max_attention),
-              ("denoised estimate outside the target region", numbers["context"], policy.max_context),
-              ("the same as a share of two unrelated estimates' difference", numbers["context_share"],
+    # Each check in a creator's words first, the measure's own name in brackets (docs/gate.md explains it).
+    limits = [("how differently the model reads the two requests (pooled block states)", distance.hidden,
+               policy.max_hidden),
+              ("how differently it lays out the clip (attention structure)", distance.attention, policy.max_attention),
+              ("how much the rest of the clip differs early on (denoised estimate outside the target region)",
+               numbers["context"], policy.max_context),
+              ("the same, as a share of two unrelated estimates' difference", numbers["context_share"],
                policy.max_context_share),
-              ("target region share", numbers["target_fraction"], policy.max_target_fraction)]
+              ("how much of the clip changes (target region share)", numbers["target_fraction"],
+               policy.max_target_fraction)]
     numbers.update(context=round(numbers["context"], 5), context_share=round(numbers["context_share"], 4),
                    target_fraction=round(numbers["target_fraction"], 4))
     reasons = []
