@@ -24,9 +24,16 @@ connectivity at this shape (the block-sparse kernel's compile).
 Goals: hit+easycache >= 3.5x plain and >= 1.6x easycache; miss+easycache within 2 % of easycache; the plain miss
 within 1 % of plain; region-only hit >= 3.6x plain at a 30 % target and >= 5x at 10 %, with EasyCache >= 5.5x; peak
 GPU memory of every case within 10 % of plain's.
+With --attention sage every case runs with SageAttention (the `sageattention` package's Triton kernels, through
+ComfyUI's attention_sage as an optimized_attention_override, as KJNodes' "sageattn" override installs it), so each
+speedup is against plain sampling with the same patch; one extra case, "plain (default attention)", times the
+model without it. A hit attends sparsely with Carnator's kernel where its cached connectivity applies and through
+SageAttention elsewhere (cross-attention, dense blocks).
 
   python3 benchmarks/gpu_compose.py --out benchmarks/results/gpu/gpu_compose_h200.json
   python3 benchmarks/gpu_compose.py --smoke --out /tmp/compose.json      # tiny, CPU
+  python3 benchmarks/gpu_compose.py --attention sage --skip-cfg5 --repeats 1 --easycache-thresholds 0.4 \
+      --out benchmarks/results/gpu/gpu_compose_sage_h200.json
 """
 from __future__ import annotations
 
@@ -62,7 +69,45 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=2, help="runs of plain, miss and hit at cfg 1 (median)")
     parser.add_argument("--region-shares", type=shares_list, default=[0.1, 0.3, 0.5],
                         help="target shares of the region-only hits (alone and with EasyCache); empty: none")
+    parser.add_argument("--attention", choices=("default", "sage"), default="default",
+                        help="sage: every case with SageAttention's Triton kernels (the sageattention package)")
     return parser.parse_args(argv)
+
+
+class SageAttention:
+    """ComfyUI's attention_sage as an optimized_attention_override on a clone of the model, with its kernel calls
+    counted: attention_sage falls back to PyTorch's attention when the kernel raises, and a benchmark must not
+    report that fallback as SageAttention."""
+
+    def __init__(self):
+        import comfy.ldm.modules.attention as attention
+        if not getattr(attention, "SAGE_ATTENTION_IS_AVAILABLE", False):
+            raise SystemExit("--attention sage: the sageattention package is not importable here")
+        self.calls, self.failures = 0, []
+        kernel = attention.sageattn
+
+        def counted_kernel(*args, **kwargs):
+            self.calls += 1
+            try:
+                return kernel(*args, **kwargs)
+            except Exception as error:
+                self.failures.append(f"{type(error).__name__}: {error}")
+                raise
+        attention.sageattn = counted_kernel
+
+        def override(func, *args, **kwargs):
+            return attention.attention_sage.__wrapped__(*args, **kwargs)
+        override.carnator_fingerprint = "sageattention (attention_sage)"
+        self.override = override
+
+    def on(self, model):
+        clone = model.clone()
+        clone.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = self.override
+        return clone
+
+    def check(self):
+        if self.failures or not self.calls:
+            raise RuntimeError(f"SageAttention did not run: {self.calls} kernel calls, failures {self.failures[:3]}")
 
 
 def counted(model):
@@ -101,6 +146,10 @@ def run(args):
 
     started = time.perf_counter()
     model, params = build_model(preset, device, dtype, args.seed)
+    default_model, sage = model, None
+    if args.attention == "sage":
+        sage = SageAttention()
+        model = sage.on(model)
     gen = torch.Generator().manual_seed(args.seed)
     latent_shape = tuple(preset["latent"])
     noise = torch.randn(latent_shape, generator=gen)
@@ -109,6 +158,7 @@ def run(args):
     config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
+           "attention": args.attention,
            "config": {"steps": n, "probe": p, "resume": k, "latent": list(latent_shape), "repeats": args.repeats,
                       "max_density": args.max_density, "easycache_start": args.easycache_start,
                       "easycache_end": args.easycache_end}, "gate_overrides": {}, "cases": {}, "easycache_sweep": {}}
@@ -210,6 +260,10 @@ def run(args):
                      GenerationObserver(sparse=sparse))
         log(f"warm-up Carnator miss ({warm_steps} steps) + 2 sparse steps {span['seconds']:.1f} s")
         out["warm_up_s"] = span["seconds"]
+        if sage is not None:
+            sage.check()
+            cases["plain (default attention)"], latents["default attention"] = plain(default_model, 1.0,
+                                                                                   "plain (default attention)")
 
         for cfg, prefix in ((1.0, ""), (5.0, "cfg5 ")):
             if cfg != 1.0 and args.skip_cfg5:
@@ -276,6 +330,10 @@ def run(args):
     out["miss_extra_pct_vs_plain"] = 100 * (cases["miss"]["seconds"] / cases["plain"]["seconds"] - 1)
     out["miss_easycache_extra_pct_vs_easycache"] = 100 * (cases["miss+easycache"]["seconds"]
                                                           / cases["easycache"]["seconds"] - 1)
+    if sage is not None:
+        sage.check()
+        out["sage_kernel_calls"] = sage.calls
+        cases["plain (default attention)"]["rel_l2_vs_plain"] = rel_diff(latents["default attention"], latents["plain"])
     out["total_seconds"] = time.perf_counter() - started
     save()
     print_table(out)
@@ -284,7 +342,9 @@ def run(args):
 
 def print_table(out):
     c = out["config"]
-    print(f"\nCarnator + EasyCache: {out['device']}, torch {out['torch']}, ComfyUI {out['comfyui_version']}, "
+    attention = " with SageAttention" if out.get("attention") == "sage" else ""
+    print(f"\nCarnator + EasyCache{attention}: {out['device']}, torch {out['torch']}, "
+          f"ComfyUI {out['comfyui_version']}, "
           f"{out['params'] / 1e9:.3f} B params, {out['dtype']}, N={c['steps']} p={c['probe']} k={c['resume']}, "
           f"EasyCache reuse_threshold {out['easycache_threshold']:g} (start {c['easycache_start']:g}, end "
           f"{c['easycache_end']:g}; sweep: " + ", ".join(f"{t}: {v['model_calls']} calls"
