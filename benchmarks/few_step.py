@@ -9,6 +9,8 @@ resume step, no gate overrides):
   miss     the same request through Carnator on an empty store (probe + the rest + write-back)
   hit      the miss's request a hair off (noise x 1.0001) through probe -> lookup -> gate -> resume, with the
            block-sparse attention the miss recorded (density budget --max-density), and again dense
+  region   the hit resumed region-only with its target forced to --region-shares of the tokens (at these step counts
+           the resume stage usually finds too few steps left for it to pay, and resumes whole-clip: the case says why)
   repeat   the identical request: its stored result, no model call
 Medians of --repeats runs (plain, miss, sparse hit), none with a step callback (plain sampling has none). Warm-ups
 (dense steps, the FlexAttention compile, one untimed miss per step count) come first.
@@ -54,6 +56,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-density", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--region-shares", type=gs.shares_list, default=[0.3],
+                        help="target shares of the region-only hits (empty: none)")
     return parser.parse_args(argv)
 
 
@@ -114,6 +118,11 @@ def measure_steps(n, models, spec, args, block_size, root, log):
                     "resume_step": runs[0]["resume_step"], "density": runs[0]["plan_mean_density"], "runs": runs}
         log(f"N={n}: {key} {seconds:.2f} s = {plain_s / seconds:.2f}x plain, k={runs[0]['resume_step']}, "
             f"{runs[0]['model_calls']} calls, density {runs[0]['plan_mean_density']:.3f}")
+
+    out["region"] = gs.region_hits(runner, store, config, noise, sigmas, None, args.seed, args.region_shares, log,
+                                   lambda latent: {"rel_diff_vs_miss": gs.rel_diff(latent, miss.latent)})
+    for case in out["region"].values():
+        case["speedup_vs_plain"] = plain_s / case["seconds"]
 
     with gs.timed() as span:
         repeat = generate(runner, noise, sigmas, store, config, gs.PROMPT, args.seed)
@@ -193,6 +202,10 @@ def print_table(out):
               f"({r['hit']['speedup_vs_plain']:.2f}x) | {r['hit']['model_calls']} of {n} | "
               f"{r['hit_dense']['seconds']:.2f} ({r['hit_dense']['speedup_vs_plain']:.2f}x) | "
               f"{r['repeat']['seconds']:.3f} ({r['repeat']['model_calls']}) |")
+    for n, r in out["results"].items():
+        for name, case in r.get("region", {}).items():
+            print(f"N={n} {name}: {case['seconds']:.2f} s ({case['speedup_vs_plain']:.2f}x plain), region-only "
+                  f"{case['region_only']}: {case['region_reason']}")
 
 
 def main(argv=None):
