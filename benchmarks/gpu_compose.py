@@ -44,6 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -228,13 +229,20 @@ def run(args):
         return case, runner.to_latent_format(result.latent)
 
     def region(runner, store, calls, reference, suffix=""):
-        """The region-only hits at every --region-shares, calls counted at the diffusion model as for the others."""
+        """The region-only hits at every --region-shares, calls counted at the diffusion model as for the others; one
+        that fails is reported in out["region_errors"] and the run goes on (the cases before it are kept)."""
         found = {}
         for share in args.region_shares:
             calls[0] = 0
-            (name, case), = region_hits(runner, store, config, noise, runner.sigmas, k, args.seed, [share], log,
-                                        lambda latent: {"rel_l2_vs_plain": rel_diff(runner.to_latent_format(latent),
-                                                                                    reference)}, suffix).items()
+            try:
+                (name, case), = region_hits(
+                    runner, store, config, noise, runner.sigmas, k, args.seed, [share], log,
+                    lambda latent: {"rel_l2_vs_plain": rel_diff(runner.to_latent_format(latent), reference)},
+                    suffix).items()
+            except Exception:
+                out.setdefault("region_errors", {})[f"{share:.0%}{suffix}"] = traceback.format_exc()
+                log(f"region hit {share:.0%}{suffix} FAILED:\n{traceback.format_exc()}")
+                continue
             found[name] = {**case, "model_calls": calls[0]}
         return found
 
