@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -228,6 +229,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
                          "read": read, "expected": request.attributes,
                          "psnr": psnr(clip, reference[key]), "ssim": ssim(clip, reference[key])})
         store.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
     return rows
 
 
