@@ -127,3 +127,20 @@ def test_the_probe_draws_the_lookups_projection_in_the_background_and_the_lookup
     assert [call for call in drawn if call[1] == 0] == [(size, 0)]
     expected = (probed.signature.denoised.float().reshape(-1) @ original(size, vectors.DENOISED_DIM, 0)) / size ** 0.5
     assert torch.equal(vector[:vectors.DENOISED_DIM], expected)
+
+
+def test_a_lookup_runs_on_its_own_thread_count_and_gives_the_callers_back(monkeypatch):
+    from carnator_engine.store import vectors
+    matrix = BucketMatrix()
+    rng = np.random.RandomState(1)
+    for i in range(5):
+        matrix.add(f"e{i}", rng.standard_normal(VECTOR_DIM).astype(np.float16))
+    seen, mv = [], torch.mv
+    monkeypatch.setattr(torch, "mv", lambda *args: (seen.append(torch.get_num_threads()), mv(*args))[1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)                    # a host's own count (one per core)
+    try:
+        assert len(matrix.nearest(torch.zeros(VECTOR_DIM), 2)) == 2
+        assert seen and set(seen) == {vectors.LOOKUP_THREADS} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

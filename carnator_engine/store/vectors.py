@@ -19,11 +19,15 @@ import numpy as np
 import torch
 
 from ..signature import EarlySignature
+from ..threads import cpu_threads
 
 DENOISED_DIM = 192
 HIDDEN_DIM = 64
 VECTOR_DIM = DENOISED_DIM + HIDDEN_DIM
 PROJECTION_SEED = 0xCA4
+# a lookup's distances run on one thread: a worker's CPU is shared with its host, and more threads on a busy
+# machine wait on each other (carnator_engine/threads.py)
+LOOKUP_THREADS = 1
 HIDDEN_WEIGHT = 2.0  # a cosine gap of 0.01 weighs like an RMS gap of 0.2: the two views both count
 
 
@@ -144,10 +148,11 @@ class BucketMatrix:
             return []
         rows, query = torch.from_numpy(self.rows[:n]), vector.float()
         distances = torch.from_numpy(self.norms[:n].copy())
-        for start in range(0, n, self.CHUNK):
-            stop = min(n, start + self.CHUNK)
-            distances[start:stop] -= 2.0 * torch.mv(rows[start:stop].float(), query)
-        chosen = torch.topk(distances, min(count, n), largest=False, sorted=True).indices
+        with cpu_threads(LOOKUP_THREADS):
+            for start in range(0, n, self.CHUNK):
+                stop = min(n, start + self.CHUNK)
+                distances[start:stop] -= 2.0 * torch.mv(rows[start:stop].float(), query)
+            chosen = torch.topk(distances, min(count, n), largest=False, sorted=True).indices
         return [self.ids[i] for i in chosen.tolist()]
 
     def nbytes(self) -> int:
