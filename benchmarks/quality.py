@@ -22,6 +22,11 @@ the same request without reuse, attribute accuracy (read back from pixels) and w
 (a reused generation that gets wrong an attribute the full generation got right).
 
     python benchmarks/quality.py --out benchmarks/results/quality/quality.json   # + quality.rows.json.gz
+    python benchmarks/quality.py --world v2 ...    # world v2: scenes of two or three objects, its demo model
+
+--world v2 replays world v2's streams (edits of one object, the background, an object added, removed or moved;
+look-alike pairs: a direction reversed, a square made a circle, an object moved beside itself) with its demo
+model, and scores whole scenes (docs/evaluation-world.md).
 """
 from __future__ import annotations
 
@@ -43,7 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # step_skipping, when imported by the tests
 
 from carnator_engine.backbones.tiny_dit import load_tiny_dit  # noqa: E402
-from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, world  # noqa: E402
+from carnator_engine.demo import DEMO_STEPS, DEMO_WORLDS  # noqa: E402
+from carnator_engine.demo.train import WORLDS  # noqa: E402
 from carnator_engine.euler import TinyDiTRunner  # noqa: E402
 from carnator_engine.gate import SWITCHES, GatePolicy  # noqa: E402
 from carnator_engine.observer import CheckpointRecorder, GenerationObserver  # noqa: E402
@@ -190,6 +196,7 @@ def request_runner(per_request: str, model, prompt: str, sigmas, args):
 
 def run_method(method, requests, model, sigmas, args, text_encoder, reference, fresh_cache_each=None):
     """Generates every request; returns per-request rows. fresh_cache_each groups requests per cache."""
+    world = WORLDS[args.world]
     rows, groups = [], fresh_cache_each or [requests]
     base, per_request = split_method(method)
     for group in groups:
@@ -229,7 +236,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
                          "read": read, "expected": request.attributes,
                          "psnr": psnr(clip, reference[key]), "ssim": ssim(clip, reference[key])})
         store.close()
-        shutil.rmtree(store_dir, ignore_errors=True)
+        shutil.rmtree(store_dir, ignore_errors=True)   # a long run's entries would fill the disk
     return rows
 
 
@@ -268,7 +275,7 @@ def adversaries(pair_rows: list) -> list:
     return pair_rows[1::2]
 
 
-def summarize(rows, steps, reference_rows):
+def summarize(rows, steps, reference_rows, world=WORLDS["v1"]):
     rows_scored = list(zip(rows, reference_rows))
     n = len(rows_scored)
     accuracy = world.attribute_accuracy([r["expected"] for r, _ in rows_scored], [r["read"] for r, _ in rows_scored])
@@ -291,6 +298,7 @@ def summarize(rows, steps, reference_rows):
         "psnr": sum(r["psnr"] for r, _ in rows_scored) / n,
         "ssim": sum(r["ssim"] for r, _ in rows_scored) / n,
         "psnr_on_hits": (sum(r["psnr"] for r, _ in reused) / len(reused)) if reused else None,
+        "ssim_on_hits": (sum(r["ssim"] for r, _ in reused) / len(reused)) if reused else None,
         "attribute_accuracy": accuracy["all"],
         "per_attribute": {k: v for k, v in accuracy.items() if k != "all"},
         "wrong_accepts": sum(wrong(r, ref) for r, ref in reused),
@@ -305,7 +313,9 @@ def summarize(rows, steps, reference_rows):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", default=DEMO_WEIGHTS)
+    parser.add_argument("--world", choices=tuple(WORLDS), default="v1",
+                        help="evaluation world: v1 one object, v2 scenes of two or three objects")
+    parser.add_argument("--weights", help="the demo model (default: the world's shipped weights)")
     parser.add_argument("--stream", type=int, default=40, help="requests in the iteration stream")
     parser.add_argument("--restart-every", type=int, default=10, help="a new session (cold prompt) every N requests")
     parser.add_argument("--fixed-seed", action="store_true",
@@ -314,7 +324,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=DEMO_STEPS)
     parser.add_argument("--probe-steps", type=int, default=3)
     parser.add_argument("--risk", default="balanced", choices=("safe", "balanced", "aggressive"))
-    parser.add_argument("--guidance", type=float, default=DEMO_GUIDANCE)
+    parser.add_argument("--guidance", type=float, help="default: the guidance the world's weights sample best at")
     parser.add_argument("--gate", dest="gate_overrides", type=gate_overrides, default={},
                         help="gate settings over the risk preset, e.g. max_target_fraction=0.8,max_resume_fraction=0.6")
     parser.add_argument("--max-density", type=float, default=1.0,
@@ -338,6 +348,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/out/quality.json")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
+    world = WORLDS[args.world]
+    args.weights = args.weights or DEMO_WORLDS[args.world]["weights"]
+    if args.guidance is None:
+        args.guidance = DEMO_WORLDS[args.world]["guidance"]
+    if not os.path.exists(args.weights):
+        parser.error(f"--weights {args.weights} does not exist: train world {args.world}'s demo model with "
+                     f"`python3 -m carnator_engine.demo.train --world {args.world} --out {args.weights}`")
     if methods[0] != "no_reuse":
         parser.error("--methods must start with no_reuse: it is the fidelity reference")
     if "text_similarity" in methods and not 1 <= args.text_resume_step < args.steps:
@@ -375,8 +392,9 @@ def main(argv=None) -> int:
                        args.reference_cache)
     ref_stream, ref_pairs = rows_by_method["no_reuse"]
     for method, (stream_rows, pair_rows) in rows_by_method.items():
-        results["iteration_stream"][method] = summarize(stream_rows, args.steps, ref_stream)
-        results["adversarial_pairs"][method] = summarize(adversaries(pair_rows), args.steps, adversaries(ref_pairs))
+        results["iteration_stream"][method] = summarize(stream_rows, args.steps, ref_stream, world)
+        results["adversarial_pairs"][method] = summarize(adversaries(pair_rows), args.steps, adversaries(ref_pairs),
+                                                         world)
 
     machine = f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}"
     if model.frame_pos.is_cuda:
@@ -386,7 +404,8 @@ def main(argv=None) -> int:
     reports.write(args.out, report)
 
     seeds = "one seed per session" if args.fixed_seed else "a fresh seed per request"
-    print(f"\nQuality in the evaluation world ({args.steps} steps, probe {args.probe_steps}, risk {args.risk}, "
+    print(f"\nQuality in evaluation world {args.world} ({args.steps} steps, probe {args.probe_steps}, "
+          f"risk {args.risk}, "
           f"guidance {args.guidance}, {seeds}; {machine})")
     for name, table in results.items():
         print(f"\n{name}")

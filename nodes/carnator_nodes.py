@@ -12,6 +12,7 @@ Node ids, input names and their order are those of the V1 nodes before them, so 
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
@@ -24,8 +25,9 @@ from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
-from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, fail,
-                     make_config, model_label, progress_callback, prompt_text, send_decision, summary_text, to_json)
+from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, explained,
+                     fail, make_config, model_label, progress_callback, prompt_text, send_decision, summary_text,
+                     to_json)
 from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
@@ -56,7 +58,9 @@ def _request_inputs(probe_steps_default: int = 0) -> list:
         io.Conditioning.Input("positive", tooltip="What the video should show (the text encoder's output); compared "
                                                   "through the model's early states, never as text."),
         io.Conditioning.Input("negative", tooltip="What the video should avoid, as for KSampler."),
-        io.Latent.Input("latent_image", tooltip="An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1."),
+        io.Latent.Input("latent_image", tooltip="An empty video latent, e.g. EmptyHunyuanLatentVideo for Wan 2.1; for "
+                                                "image-to-video, WanImageToVideo's or Wan22ImageToVideoLatent's latent "
+                                                "(the start image is part of the cache key)."),
         io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
                      tooltip="The noise seed. Another seed is another request: it may still reuse a close one."),
         io.Int.Input("steps", default=30, min=2, max=10000,
@@ -124,6 +128,14 @@ def _hidden(cls, name: str):
     return getattr(cls.hidden, name, None) if cls.hidden is not None else None
 
 
+def _given_out(unique_id, summary: dict) -> tuple:
+    """(summary_json, node text) of a decision, sent to the node's web widget too: all three from one summary,
+    with the deciding reasons of a miss (inputs.explained)."""
+    summary = explained(summary)
+    send_decision(unique_id, summary)
+    return to_json(summary), ui.PreviewText(summary_text(summary))
+
+
 @dataclass
 class ProbeBundle:
     """CARNATOR_PROBE: a request after its probe steps, ready for lookup and resume."""
@@ -170,7 +182,7 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
                                 "higher values guide with the negative prompt")
     try:
         runner = ComfyRunner(model, positive, negative, cfg, sampler_name, scheduler=scheduler, steps=int(steps),
-                             seed=int(seed), **experts)
+                             seed=int(seed), latent_image=latent.samples, noise_mask=latent.noise_mask, **experts)
     except ValueError as error:
         name = getattr(error, "input_name", None) or (
             "sampler_name" if "sampler_name" in str(error) else "scheduler" if "scheduler" in str(error) else "model")
@@ -249,10 +261,15 @@ class CarnatorCache(io.ComfyNode):
 
 
 def _input_at_fault(error: Exception, blob_dir: str) -> str:
-    """The Carnator Cache input a store error is about: blob_dir when the farm's blob folder refused (its errors
-    name it first), else cache_dir, whatever the folder names contain."""
-    farm_folder = blob_dir.strip() and str(error).startswith(("blob_dir ", "Carnator blob folder "))
-    return "blob_dir" if farm_folder else "cache_dir"
+    """The Carnator Cache input a store error is about: blob_dir when it is given and the error names that folder
+    (with blob_dir, cache_dir is a redis:// URL, so no folder of cache_dir's is meant), else cache_dir, whatever
+    the folder names contain ("blob" in a cache_dir path is no blob_dir)."""
+    folder = blob_dir.strip()
+    if not folder:
+        return "cache_dir"
+    message = str(error)
+    named = {folder, os.path.abspath(os.path.expanduser(folder)), os.path.realpath(os.path.expanduser(folder))}
+    return "blob_dir" if message.startswith("blob_dir ") or any(name in message for name in named) else "cache_dir"
 
 
 def _expect(node: str, name: str, value, kind: type, source: str):
@@ -411,10 +428,8 @@ class CarnatorCompatibilityGate(io.ComfyNode):
         config = make_config(node, bundle.probed.steps, bundle.config.probe_steps, risk,
                              bundle.config.block_size, bundle.config.sparse_attention, overrides)
         decision = pipeline.decide(bundle.probed, matches.candidates, config, matches.bucket_reasons)
-        summary = decision.summary()
-        send_decision(_hidden(cls, "unique_id"), summary)
-        return io.NodeOutput(DecisionBundle(bundle.token, matches.directory, decision, config), to_json(summary),
-                             ui=ui.PreviewText(summary_text(summary)))
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), decision.summary())
+        return io.NodeOutput(DecisionBundle(bundle.token, matches.directory, decision, config), summary_json, ui=text)
 
 
 def _latent_out(runner, bundle_extra: dict, latent) -> dict:
@@ -451,10 +466,8 @@ class CarnatorTrajectoryResume(io.ComfyNode):
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
                                  bundle.model_name)
-        summary = result.summary()
-        send_decision(_hidden(cls, "unique_id"), summary)
-        return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), to_json(summary),
-                             ui=ui.PreviewText(summary_text(summary)))
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), result.summary())
+        return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), summary_json, ui=text)
 
 
 class CarnatorSampler(io.ComfyNode):
@@ -483,10 +496,8 @@ class CarnatorSampler(io.ComfyNode):
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
                                    seed=int(seed), model_name=model_label(graph, unique_id))
-        summary = result.summary()
-        send_decision(unique_id, summary)
-        return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), to_json(summary),
-                             ui=ui.PreviewText(summary_text(summary)))
+        summary_json, text = _given_out(unique_id, result.summary())
+        return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), summary_json, ui=text)
 
 
 NODES = [CarnatorCache, CarnatorEarlyProbe, CarnatorSignatureCacheLookup, CarnatorCompatibilityGate,

@@ -29,7 +29,12 @@ def fail(node: str, input_name: str, message: str) -> ValueError:
 @dataclass
 class PreparedLatent:
     samples: torch.Tensor     # latent format, [B, C, F, H, W]
-    extra: dict               # other keys of the LATENT dict that travel with it (batch_index)
+    extra: dict               # other keys of the LATENT dict that travel with it (batch_index, noise_mask)
+    noise_mask: Optional[torch.Tensor] = None   # the part of `samples` to keep (1 = generate), [B, 1, F, H, W]
+
+
+# models whose start image comes in the LATENT, kept by its noise mask: Wan 2.2 TI2V 5B (Wan22ImageToVideoLatent)
+KEPT_LATENT_MODELS = ("WAN22",)
 
 
 def check_model(node: str, model):
@@ -45,9 +50,11 @@ def check_latent(node: str, model, latent_image, backbone) -> PreparedLatent:
     import comfy.sample
     if not isinstance(latent_image, dict) or not torch.is_tensor(latent_image.get("samples")):
         raise fail(node, "latent_image", "is not a LATENT (a dict with 'samples'): connect an empty video latent node")
-    if latent_image.get("noise_mask") is not None:
+    mask = latent_image.get("noise_mask")
+    if mask is not None and backbone.model_class not in KEPT_LATENT_MODELS:
         raise fail(node, "latent_image", "carries a noise mask (inpainting or masked image-to-video): Carnator "
-                                         "samples whole clips; use a KSampler for masked sampling")
+                                         "samples whole clips, and keeps a masked start image only for Wan 2.2 "
+                                         "TI2V 5B (Wan22ImageToVideoLatent); use a KSampler for masked sampling")
     samples = latent_image["samples"]
     layout = backbone.layout
     channels = layout.latent_channels
@@ -64,8 +71,14 @@ def check_latent(node: str, model, latent_image, backbone) -> PreparedLatent:
                    f"{channels}: is this latent from another model's VAE?")
     if min(samples.shape) < 1:
         raise fail(node, "latent_image", f"is empty (shape {list(samples.shape)})")
-    extra = {k: v for k, v in latent_image.items() if k == "batch_index"}
-    return PreparedLatent(samples.to(torch.float32), extra)
+    if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 5 or mask.shape[1] != 1
+                             or tuple(mask.shape[2:]) != tuple(samples.shape[2:])):
+        shape = list(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        raise fail(node, "latent_image", f"has a noise mask of shape {shape} for a latent of {list(samples.shape)}: "
+                                         "a start-image mask must be [batch, 1, frames, height, width] of the "
+                                         "latent's size, as Wan22ImageToVideoLatent makes it")
+    extra = {k: v for k, v in latent_image.items() if k in ("batch_index", "noise_mask")}
+    return PreparedLatent(samples.to(torch.float32), extra, None if mask is None else mask.to(torch.float32))
 
 
 def check_steps(node: str, steps: int, probe_steps: int) -> int:
@@ -186,6 +199,21 @@ def cost_text(summary: dict) -> str:
     return text
 
 
+def deciding_reasons(summary: dict) -> list:
+    """Why a request was not reused, as the node's text and its web widget show it: the first reason (what happened)
+    and every later one that is not a check the request passed ("... within limit ..."), so that the node names
+    what refused it: the input or the node that differs, a limit exceeded, a reuse that cannot pay."""
+    reasons = summary.get("reasons") or ["no decision"]
+    return [reasons[0]] + [reason for reason in reasons[1:] if " within limit " not in reason]
+
+
+def explained(summary: dict) -> dict:
+    """The summary as the nodes give it out (node text, summary_json, the web widget): with `why`, the deciding
+    reasons of a miss in one line (None for a hit or a repeat, whose verdict says it)."""
+    why = None if summary.get("reuse") else "; ".join(deciding_reasons(summary))
+    return {**summary, "why": why}
+
+
 def summary_text(summary: dict) -> str:
     """The node's one-line verdict, then any warning (a store fault that made the request a full generation)."""
     warnings = "".join(f"\nwarning: {w}" for w in summary.get("warnings") or [])
@@ -195,7 +223,8 @@ def summary_text(summary: dict) -> str:
 def _verdict(summary: dict) -> str:
     steps, k = summary.get("steps"), summary.get("resume_step")
     risk = summary.get("risk")
-    stored = f"; stored as {summary['stored_as']}" if summary.get("stored_as") else ""
+    written = "being stored" if summary.get("store_pending") else "stored"   # the write may still be under way
+    stored = f"; {written} as {summary['stored_as']}" if summary.get("stored_as") else ""
     cost = cost_text(summary)
     if summary.get("exact_repeat"):
         return (f"Carnator REPEAT: every input matches entry {summary.get('entry_id')}, an earlier generation; "
@@ -203,9 +232,7 @@ def _verdict(summary: dict) -> str:
     if summary.get("reuse"):
         return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}; "
                 f"{cost}, expected {summary.get('expected_speedup')}x{stored}")
-    reasons = summary.get("reasons") or ["no decision"]
-    over = [r for r in reasons if " over limit " in r or r.startswith("no ") or " differs in " in r]
-    why = "; ".join([reasons[0]] + over[:2]) if over and over[0] != reasons[0] else reasons[0]
+    why = summary.get("why") or "; ".join(deciding_reasons(summary))
     return f"Carnator MISS ({risk}): {why}; {cost}{stored}"
 
 

@@ -73,6 +73,7 @@ def store_directories() -> list:
     (stores.remembered_stores), and the default one."""
     default = _normalise(default_cache_dir())
     listed = {_normalise(d) for d in known_stores()} | {_normalise(d) for d in remembered_stores()}
+    listed = {d for d in listed if holds_store(d)}   # a folder deleted (or moved) since is no store to pick
     listed.add(default)
     return [{"directory": d, "default": d == default} for d in sorted(listed, key=lambda d: (d != default, d))]
 
@@ -130,7 +131,8 @@ def record_json(record) -> dict:
         "probe_steps": record.probe_steps,
         "checkpoints": len(record.checkpoint_steps),
         "latent_shape": list(record.latent_shape),
-        "hits": record.hits,
+        "hits": record.hits - record.repeats,     # reuses through the gate; exact repeats apart (store.stats)
+        "exact_repeats": record.repeats,
         "steps_saved": record.steps_saved,
         "size_bytes": record.size_bytes,
         "created": record.created,
@@ -145,7 +147,7 @@ def record_json(record) -> dict:
 
 def empty_stats(directory: str, size_limit_bytes: int = 0) -> dict:
     return {"entries": 0, "corrupt": 0, "bytes": 0, "size_limit_bytes": size_limit_bytes, "hits": 0,
-            "steps_saved": 0, "directory": directory}
+            "exact_repeats": 0, "steps_saved": 0, "directory": directory}
 
 
 def list_entries(store: Optional[CarnatorStore]) -> dict:

@@ -73,6 +73,16 @@ def build_tiny_wan(base: str, every: bool = False) -> str:
     return run.stdout.strip().splitlines()[-1]
 
 
+def write_start_image(base: str, name: str, kind: str) -> str:
+    """One of hostsetup's start images as a PNG in base/input, where LoadImage finds it; returns `name`."""
+    import numpy
+    from PIL import Image
+    image = hostsetup.start_image(kind)[0]
+    os.makedirs(os.path.join(base, "input"), exist_ok=True)
+    Image.fromarray((image.numpy() * 255).round().astype(numpy.uint8)).save(os.path.join(base, "input", name))
+    return name
+
+
 class ComfyServer:
     """`python main.py --cpu` on a free port, in its own process group; stopped (group killed) on exit."""
 

@@ -105,6 +105,9 @@ def test_cache_browser_and_decision_in_chromium(tmp_path):
     # exactly: its stored result, no model call, nothing new stored. The node shows the last decision.
     first, second, third = result["decisions"]
     assert first["node"] == "6" and first["reuse"] is False and first["steps"] == 10 and first["stored_as"]
+    # the widget shows the deciding reasons under the verdict (format.js decisionLines), as the node's text does
+    assert first["why"] == ("no earlier generation of this model, shape and schedule is in the cache; the cache "
+                            "holds no generation yet"), first["reasons"]
     assert second["stored_as"] and second["stored_as"] != first["stored_as"] and not second["exact_repeat"]
     assert third["exact_repeat"] is True and third["entry_id"] == first["stored_as"], third["reasons"]
     assert third["model_calls"] == 0 and third["stored_as"] is None
@@ -116,7 +119,7 @@ def test_cache_browser_and_decision_in_chromium(tmp_path):
 
     # the sidebar listed the first entry with its prompt, thumbnail and hit; its delete button removed it
     assert result["entryId"] == first["stored_as"] and result["promptText"] == PROMPT
-    assert "1 hit · " in result["entryText"], result["entryText"]
+    assert "0 hits · 1 exact repeat · " in result["entryText"], result["entryText"]   # run 3, counted as the CLI does
     assert result["thumbnail"]["width"] > 0 and result["thumbnail"]["height"] > 0
     assert result["deleteStatus"] == 200 and result["remaining"] == 1
     assert result["entryId"] not in result["listedAfter"] and len(result["listedAfter"]) == 1  # the server agrees

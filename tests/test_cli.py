@@ -339,3 +339,8 @@ def test_a_session_with_no_hit_says_why_in_the_right_words():
                                                             "resumed from a cached trajectory at risk safe")
     assert speed_in_words(1.3, 1.0) == "1.3x faster" and speed_in_words(0.7, 1.0) == "1.4x slower"
     assert speed_in_words(1.0, 1.01) == "as fast" and speed_in_words(1.0, 0.0) == ">999x faster"
+
+
+def test_a_nul_byte_in_the_cache_path_is_named_not_a_bare_value_error(tmp_path, capsys):
+    assert cli.main(["demo", "--cache", str(tmp_path / "ca\x00che"), "--steps", "2", "--probe-steps", "1"]) == 2
+    assert "holds a NUL character" in capsys.readouterr().err and not list(tmp_path.iterdir())

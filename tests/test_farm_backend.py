@@ -17,7 +17,8 @@ from carnator_engine.pipeline import CarnatorConfig, generate
 from carnator_engine.schedule import flow_sigmas
 from carnator_engine.store import CarnatorStore, StoreError, TrajectoryPayload
 from carnator_engine.store.backends import farm
-from carnator_engine.store.errors import CorruptEntryError
+from carnator_engine.store.errors import CorruptEntryError, StoreUnavailable
+from carnator_engine.store.owned_files import HEADER_BYTES, header
 from test_store import _signature
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +53,9 @@ def test_trajectories_live_in_the_folder_under_their_hash_and_redis_holds_none(f
     record = farm_store.record(entry)
     assert _blob_files(blobs) == [record.blob_sha256 + ".blob"]
     with open(os.path.join(blobs, record.blob_sha256 + ".blob"), "rb") as handle:
-        assert hashlib.sha256(handle.read()).hexdigest() == record.blob_sha256
+        data = handle.read()
+    assert data.startswith(header(farm_store._backend._folder.identity))   # the content proves whose it is
+    assert hashlib.sha256(data[HEADER_BYTES:]).hexdigest() == record.blob_sha256
     admin = redis.Redis.from_url(redis_server.url)
     assert admin.keys("carnator:b:*") == []
     assert sum(admin.memory_usage(k) or 0 for k in admin.keys("carnator:*")) < 200_000
@@ -65,8 +68,10 @@ def test_a_store_is_bound_to_its_layout(farm_store, redis_server, tmp_path, blob
     _put(farm_store)
     with pytest.raises(StoreError, match="keeps its trajectories in a shared blob folder.*give blob_dir"):
         CarnatorStore(redis_server.url, 64 << 20)
-    with pytest.raises(StoreError, match="keeps its trajectories in a shared blob folder"):
-        CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(tmp_path / "another"))
+    elsewhere = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(tmp_path / "another"))
+    with pytest.raises(StoreUnavailable, match="is the shared folder mounted"):   # its farm exists: a dropped mount
+        elsewhere.stats()
+    assert not (tmp_path / "another").exists()                                     # never marked, never made
     with pytest.raises(StoreError, match="is for a redis:// cache"):
         CarnatorStore(str(tmp_path / "disk"), 64 << 20, blob_dir=blobs)
     with pytest.raises(StoreError, match="not an absolute folder path"):
@@ -153,27 +158,34 @@ def test_a_writer_waits_for_a_collectors_tombstone_then_writes_the_file_again(fa
     assert farm_store.trajectory(farm_store.record(again)).checkpoints[4][0, 0] == 4.0
 
 
-def test_orphans_are_reclaimed_and_foreign_files_never_touched(redis_server, blobs):
+def test_killed_writes_are_reclaimed_and_foreign_files_never_touched(redis_server, blobs):
+    import redis
     store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
     kept = _put(store, 5)
+    mine = header(store._backend._folder.identity)
     store.close()
     orphan, young = "a" * 64 + ".blob", "b" * 64 + ".blob"          # killed writers' files: old, and in flight
-    temporary = "c" * 64 + ".blob.0123abcd.tmp"
-    foreign = {"notes.txt": b"mine", "d" * 63 + ".blob": b"not ours", "e" * 64 + ".blob.txt": b"mine too"}
-    for name, data in {orphan: b"x" * 1000, young: b"y" * 2000, temporary: b"z" * 10, **foreign}.items():
+    temporary = "a" * 64 + ".blob.0123abcd.tmp"
+    foreign = {"notes.txt": b"mine", "d" * 63 + ".blob": b"not ours", "e" * 64 + ".blob.txt": b"mine too",
+               "9" * 64 + ".blob": b"named like ours, never written by it"}
+    for name, data in {orphan: mine + b"x" * 1000, young: mine + b"y" * 2000, temporary: mine + b"z" * 10,
+                       **foreign}.items():
         with open(os.path.join(blobs, name), "wb") as handle:
             handle.write(data)
     os.mkdir(os.path.join(blobs, "f" * 64 + ".blob"))               # a folder under a blob's name
     os.symlink("/etc/hostname", os.path.join(blobs, "1" * 64 + ".blob"))
     for name in [orphan, temporary, "f" * 64 + ".blob", *foreign]:
         os.utime(os.path.join(blobs, name), (OLD, OLD))
+    admin = redis.Redis.from_url(redis_server.url)                  # the writes their writers registered
+    admin.zadd("carnator:w", {orphan: OLD, young: time.time(), "f" * 64 + ".blob": OLD, "1" * 64 + ".blob": OLD})
+    admin.hset("carnator:wb", mapping={orphan: 1047, young: 2047})
     reopened = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
     present = set(os.listdir(blobs))
     assert orphan not in present and temporary not in present and young in present
     assert {*foreign, "f" * 64 + ".blob", "1" * 64 + ".blob", "carnator-store.json"} <= present
     for name, data in foreign.items():
         assert open(os.path.join(blobs, name), "rb").read() == data
-    assert reopened.stats()["overhead_bytes"] == 2000               # the young orphan counts in the size limit
+    assert reopened.stats()["overhead_bytes"] == 2047               # the write in flight counts in the size limit
     assert reopened.trajectory(reopened.record(kept)).checkpoints[4][0, 0] == 5.0
     reopened.close()
 

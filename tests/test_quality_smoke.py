@@ -249,3 +249,29 @@ def test_tradeoff_pairs_carnator_on_top_with_the_method_alone_on_the_same_scored
     assert flips["adversarial_pairs"] == {("carnator_refine+steps_14", "steps_14"): [1, 0, 1]}   # the first not scored
     table = tradeoff.on_top_table(flips, tradeoff.pooled(tradeoff.request_sets(tradeoff.load(paths))))
     assert "| iteration stream (3) | steps_14 | 30% / 30% | -33.3" in table
+
+
+def test_quality_runs_on_world_v2_and_scores_whole_scenes(tmp_path):
+    from carnator_engine.backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT
+    from carnator_engine.demo import world2
+    weights = tmp_path / "v2.safetensors"   # an untrained model of world v2's words: the plumbing, not its accuracy
+    TinyVideoDiT(TinyDiTConfig(vocabulary=world2.VOCABULARY, text_len=world2.TEXT_LEN, dim=32, layers=1,
+                               heads=2)).save(str(weights))
+    quality = _script("quality")
+    assert quality.main(["--world", "v2", "--weights", str(weights), "--stream", "3", "--restart-every", "3",
+                         "--pairs", "2", "--steps", "6", "--probe-steps", "2", "--methods", "no_reuse,carnator",
+                         "--out", str(tmp_path / "v2.json")]) == 0
+    report = _script("reports").read(str(tmp_path / "v2.json"))
+    stream = report["results"]["iteration_stream"]
+    assert set(stream["no_reuse"]["per_attribute"]) == set(world2.SCORES)
+    assert stream["no_reuse"]["model_calls_saved"] == 0 and report["args"]["world"] == "v2"
+    pairs = world2.adversarial_pairs(2, seed=1)
+    assert [r["expected"] for r in report["rows"]["no_reuse"]["pairs"]] == [r.attributes for p in pairs for r in p]
+
+
+def test_quality_names_missing_world_weights_and_the_training_command(tmp_path, capsys):
+    import pytest
+    quality = _script("quality")
+    with pytest.raises(SystemExit):
+        quality.main(["--world", "v2", "--weights", str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "x")])
+    assert "carnator_engine.demo.train --world v2" in capsys.readouterr().err

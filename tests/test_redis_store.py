@@ -50,8 +50,11 @@ def test_a_missing_or_wrong_password_is_a_clear_error(locked, monkeypatch, given
 
 def test_an_unreachable_server_names_the_url_and_what_to_do(tmp_path):
     from redis_server import free_port
-    with pytest.raises(StoreError, match=r"redis://127\.0\.0\.1:\d+/0.*cannot be reached.*start redis-server"):
-        CarnatorStore(f"redis://:hidden@127.0.0.1:{free_port()}/0", 64 << 20)
+    store = CarnatorStore(f"redis://:hidden@127.0.0.1:{free_port()}/0", 64 << 20)   # opens: requests run in full
+    with pytest.raises(StoreError, match=r"redis://127\.0\.0\.1:\d+/0.*cannot be reached.*start redis-server") \
+            as caught:
+        store.shortlist("b", _signature(1), 1)
+    assert "hidden" not in str(caught.value) and "hidden" not in store.location
 
 
 def test_acknowledged_entries_survive_a_restart_and_the_store_reconnects(redis_server):

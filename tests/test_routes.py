@@ -315,3 +315,36 @@ def test_a_redis_store_is_listed_without_its_password(registry, tiny_model, tmp_
             routes.resolve_store(url)             # the password-bearing URL is never a name the browser may use
     finally:
         server.stop()
+
+
+def test_hits_and_exact_repeats_mean_the_same_in_the_routes_and_the_cli(registry, tiny_model, tmp_path, capsys):
+    """A miss, its exact repeat and a hit through the gate: /carnator/stats, each listed entry and the CLI's `stats`
+    count one hit and one exact repeat, apart (the store once counted the repeat as a hit too)."""
+    from carnator_engine import __main__ as cli
+    store = stores.open_store(registry, 64 << 20)
+    prompt = "a red circle moving left on black background"
+    noise = torch.randn((1, 3, 8, 32, 32), generator=torch.Generator().manual_seed(0))
+    config = CarnatorConfig(probe_steps=2, risk="aggressive")
+    decisions = [generate(TinyDiTRunner(tiny_model, prompt), request, flow_sigmas(10), store, config).decision
+                 for request in (noise, noise, noise * 1.0001)]      # a miss, its exact repeat, a request a hair off
+    store.writer.settle()
+    stats = routes.store_stats(store)
+    entries = routes.list_entries(store)["entries"]
+    assert (stats["hits"], stats["exact_repeats"]) == (sum(e["hits"] for e in entries),
+                                                       sum(e["exact_repeats"] for e in entries))
+    assert stats["exact_repeats"] == 1 and decisions[1].exact_repeat
+    assert stats["hits"] == decisions[2].reuse == 1, decisions[2].reasons
+    store.close()
+    assert cli.main(["stats", "--cache", registry]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["hits"], printed["exact_repeats"]) == (stats["hits"], stats["exact_repeats"])
+
+
+def test_a_deleted_store_is_no_longer_listed(registry, tmp_path):
+    import shutil
+    gone = stores.open_store(str(tmp_path / "gone"), 32 << 20)
+    _put(gone, 0)
+    gone.close()
+    assert str(tmp_path / "gone") in [s["directory"] for s in routes.store_stats(None)["stores"]]
+    shutil.rmtree(tmp_path / "gone")                          # deleted by its owner while ComfyUI runs
+    assert [s["directory"] for s in routes.store_stats(None)["stores"]] == [registry]

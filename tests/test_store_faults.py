@@ -121,8 +121,8 @@ def test_a_redis_password_with_url_characters_connects_and_never_shows(tmp_path)
         assert _put(store, 0) and password not in store.location and "pa/ss" not in str(store.stats())
         store.close()
         for broken in (f"redis://:{password}@127.0.0.1:notaport/0", f"redis://:{password}@127.0.0.1:1/0"):
-            with pytest.raises(StoreError) as caught:
-                CarnatorStore(broken, 64 << 20)
+            with pytest.raises(StoreError) as caught:   # a bad port at the open; an unreachable one at its use
+                CarnatorStore(broken, 64 << 20).stats()
             assert "pa/ss" not in str(caught.value) and "wo?rd" not in str(caught.value), caught.value
     finally:
         server.stop()

@@ -9,6 +9,7 @@ import torch
 
 from carnator_engine.store.index import bucket_difference, bucket_parts, nearest
 from carnator_engine.store import CarnatorStore
+from carnator_engine.store.owned_files import header
 from carnator_engine.store.vectors import VECTOR_DIM, BucketMatrix
 from test_store import _age_blobs, _put, _signature, location  # noqa: F401 - location is a fixture
 
@@ -87,9 +88,10 @@ def test_an_open_reads_no_entry_to_find_orphan_blobs(tmp_path, monkeypatch):
     directory = str(tmp_path / "c")
     store = CarnatorStore(directory, 64 << 20)
     kept = [_put(store, seed) for seed in range(3)]
+    identity = store._backend.identity
     store.close()
     with open(os.path.join(directory, "blobs", "0123456789abcdef.blob"), "wb") as orphan:
-        orphan.write(b"left by a crash")
+        orphan.write(header(identity) + b"left by a crash")
     _age_blobs(directory)
     read, real = [], DiskBackend.meta
 
@@ -129,18 +131,19 @@ def test_the_probe_draws_the_lookups_projection_in_the_background_and_the_lookup
     assert torch.equal(vector[:vectors.DENOISED_DIM], expected)
 
 
-def test_a_lookup_runs_on_its_own_thread_count_and_gives_the_callers_back(monkeypatch):
-    from carnator_engine.store import vectors
-    matrix = BucketMatrix()
-    rng = np.random.RandomState(1)
-    for i in range(5):
-        matrix.add(f"e{i}", rng.standard_normal(VECTOR_DIM).astype(np.float16))
-    seen, mv = [], torch.mv
-    monkeypatch.setattr(torch, "mv", lambda *args: (seen.append(torch.get_num_threads()), mv(*args))[1])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)                    # a host's own count (one per core)
+def test_a_lookup_runs_its_products_on_one_torch_thread_and_gives_the_pool_back(store, monkeypatch):
+    # On a busy machine the products split over torch's pool wait for its slowest thread (31 ms against 4 ms at
+    # 10k entries on a busy 2-core machine: benchmarks/RESULTS.md); the speed itself is the benchmark's to show.
+    for seed in range(3):
+        _put(store, seed)
+    seen, real_mv, real_topk = [], torch.mv, torch.topk
+    monkeypatch.setattr(torch, "mv", lambda *a: (seen.append(torch.get_num_threads()), real_mv(*a))[1])
+    monkeypatch.setattr(torch, "topk", lambda *a, **k: (seen.append(torch.get_num_threads()), real_topk(*a, **k))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
-        assert len(matrix.nearest(torch.zeros(VECTOR_DIM), 2)) == 2
-        assert seen and set(seen) == {vectors.LOOKUP_THREADS} and torch.get_num_threads() == 2
+        assert len(store.shortlist("b", _signature(1), 2)) == 2
+        assert torch.get_num_threads() == 2
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}

@@ -6,6 +6,7 @@ import pytest
 
 from carnator_engine.store import CarnatorStore, StoreError
 from carnator_engine.store.marker import MARKER_FILE
+from carnator_engine.store.owned_files import header
 from test_store import _put
 
 
@@ -28,9 +29,14 @@ def test_user_files_in_blobs_of_a_store_survive_every_open_and_delete(tmp_path):
         _old_file(path)
     (blobs / "0123456789abcdef.blob").mkdir()                 # a folder at an entry's name is not a file to delete
     (blobs / "0123456789abcdef.blob" / "inside.txt").write_bytes(b"user data")
-    orphan = _old_file(blobs / "fedcba9876543210.blob")
+    # Named exactly like Carnator's files and older than any grace period, but without the header that names
+    # this store: a name is no proof, so they stay.
+    users += [_old_file(blobs / "fedcba9876543210.blob"), _old_file(blobs / "fedcba9876543211.blob.0123abcd.tmp"),
+              _old_file(directory / "index.snapshot.0123abcd.tmp"), _old_file(directory / "space.reserve.4567cdef.tmp")]
+    orphan = _old_file(blobs / "0000000000000001.blob", header(store._backend.identity) + b"left by a crash")
+    temporary = _old_file(blobs / "0000000000000002.blob.89abcdef.tmp", header(store._backend.identity))
     reopened = CarnatorStore(str(directory), 64 << 20)
-    assert reopened.orphans_reclaimed == 1 and not orphan.exists()   # Carnator's own orphan goes
+    assert reopened.orphans_reclaimed == 2 and not orphan.exists() and not temporary.exists()   # Carnator's own go
     assert all(path.read_bytes() == b"user data" for path in users)
     assert (blobs / "0123456789abcdef.blob" / "inside.txt").exists()
     reopened.delete(kept)

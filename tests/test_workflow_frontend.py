@@ -99,6 +99,8 @@ TINY_MODELS = {   # the workflow's diffusion models (UNETLoader / CheckpointLoad
     "carnator_ltxv_t2v.json": {"1": comfy_host.hostsetup.TINY_LTXV},
     "carnator_wan22_5b_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN22_5B},
     "carnator_wan21_4step_lora_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN, "12": comfy_host.hostsetup.TINY_LORAS[0]},
+    "carnator_wan22_i2v_a14b.json": {"1": comfy_host.hostsetup.TINY_WAN22_I2V_HIGH,
+                                     "2": comfy_host.hostsetup.TINY_WAN22_I2V_LOW},
     "carnator_wan22_a14b_4step_lora_t2v.json": {"1": comfy_host.hostsetup.TINY_WAN22_HIGH,
                                                 "2": comfy_host.hostsetup.TINY_WAN22_LOW,
                                                 "15": comfy_host.hostsetup.TINY_LORAS[1],
@@ -109,6 +111,7 @@ TINY_MODELS = {   # the workflow's diffusion models (UNETLoader / CheckpointLoad
 SCHEDULES = {"carnator_wan21_4step_lora_t2v.json": {"steps": 4, "probe_steps": 0},
              "carnator_wan22_a14b_4step_lora_t2v.json": {"steps": 4, "probe_steps": 0, "switch_step": 2}}
 LAYOUTS = {"carnator_hunyuan_video_t2v.json": "hunyuan_video", "carnator_ltxv_t2v.json": "ltxv"}
+START_IMAGE = "carnator_test_start_image.png"     # LoadImage's file, written into the server's input folder
 
 
 def tiny_prompt(prompt: dict, name: str, cache_dir: str) -> dict:
@@ -116,20 +119,24 @@ def tiny_prompt(prompt: dict, name: str, cache_dir: str) -> dict:
     instead of text encoders, tiny LoRAs, a small latent and 10 steps (probe 2, switch 5) unless SCHEDULES says
     otherwise, SaveLatent instead of decoding.
     A VAE loader becomes the fixture's placeholder VAE: Wan 2.2's latent node requires one but, with no start
-    image, never uses it (the placeholder fails any use)."""
+    image, never uses it (the placeholder fails any use); where a start image is loaded, the fixture's
+    pixel-pooling VAE encodes it (16 latent channels, as Wan 2.1's VAE)."""
+    start_image = any(node["class_type"] == "LoadImage" for node in prompt.values())
     out = {}
     for node_id, node in prompt.items():
         kind, inputs = node["class_type"], dict(node["inputs"])
         if kind in LOADERS:
             continue
         if kind == "VAELoader":
-            kind, inputs = "E2EPlaceholderVAE", {}
+            kind, inputs = ("E2EPixelVAE", {"channels": 16}) if start_image else ("E2EPlaceholderVAE", {})
+        elif kind == "LoadImage":
+            inputs = {"image": START_IMAGE}
         elif kind in ("UNETLoader", "CheckpointLoaderSimple"):
             kind, inputs = "UNETLoader", {"unet_name": TINY_MODELS[name][node_id], "weight_dtype": "default"}
         elif kind == "CLIPTextEncode":
             kind, inputs = "E2ETextConditioning", {"text": inputs["text"], "seed": int(node_id),
                                                    "layout": LAYOUTS.get(name, "wan")}
-        elif kind in ("EmptyHunyuanLatentVideo", "EmptyLTXVLatentVideo", "Wan22ImageToVideoLatent"):
+        elif kind in ("EmptyHunyuanLatentVideo", "EmptyLTXVLatentVideo", "Wan22ImageToVideoLatent", "WanImageToVideo"):
             inputs.update(width=64, height=64, length=9)
         elif kind == "CarnatorCache":
             inputs["cache_dir"] = cache_dir
@@ -150,6 +157,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("workflows")
     base = comfy_host.make_base(str(root / "base"), extra_nodes=(FIXTURE_NODES,))
     comfy_host.build_tiny_wan(base, every=True)
+    comfy_host.write_start_image(base, START_IMAGE, "sunset")
     seed_user_settings(base)
     # PyTorch attention on the CPU too: the default sub-quadratic one rejects LTX-Video's text mask
     with comfy_host.ComfyServer(base, extra_args=("--use-pytorch-cross-attention",)) as server:

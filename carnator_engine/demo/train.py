@@ -2,6 +2,10 @@
 
     python3 -m carnator_engine.demo.train --out tiny_dit.safetensors --minutes 6
     python3 -m carnator_engine.demo.train --out /tmp/t.safetensors --smoke      # a CPU check
+    python3 -m carnator_engine.demo.train --world v2 --out tiny_dit_v2.safetensors --minutes 6.5   # world v2
+
+--world picks the evaluation world: v1 (world.py, one object, the default) or v2 (world2.py, scenes of two or
+three objects); everything below holds for both, the held-out combinations being each world's HELDOUT_TRIPLES.
 
 Clips are rendered on the fly on the training device (no dataset on disk); the colour-shape-direction
 triples in world.HELDOUT_TRIPLES never appear in training. Flow matching as the engine samples it:
@@ -40,7 +44,9 @@ import torch.nn.functional as F
 
 from ..backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT, load_tiny_dit, tokenize
 from ..schedule import flow_sigmas
-from . import world
+from . import world, world2
+
+WORLDS = {"v1": world, "v2": world2}
 
 
 def _log(message: str) -> None:
@@ -83,23 +89,35 @@ def sample_clips(model, prompts: list, noise: torch.Tensor, steps: int = 20, gui
     return x
 
 
-def evaluate(model, attributes: list, seeds: list, guidance: float, steps: int, batch: int = 256) -> dict:
+def evaluate(model, attributes: list, seeds: list, guidance: float, steps: int, batch: int = 256,
+             scene_world=world) -> dict:
+    """The world's scores of the model's samples of these requests ('mean': of every score but 'all')."""
     reads = []
     for start in range(0, len(attributes), batch):
         chunk = attributes[start:start + batch]
-        noise = world.initial_noise(seeds[start:start + batch])
-        clips = sample_clips(model, [world.prompt(a) for a in chunk], noise, steps, guidance)
-        reads += world.analyze_batch(clips.clamp(-1, 1))
-    scores = world.attribute_accuracy(attributes, reads)
-    scores["mean"] = sum(scores[n] for n in world.ATTRIBUTES) / len(world.ATTRIBUTES)
+        noise = scene_world.initial_noise(seeds[start:start + batch])
+        clips = sample_clips(model, [scene_world.prompt(a) for a in chunk], noise, steps, guidance)
+        reads += scene_world.analyze_batch(clips.clamp(-1, 1))
+    scores = scene_world.attribute_accuracy(attributes, reads)
+    parts = [name for name in scores if name != "all"]
+    scores["mean"] = sum(scores[n] for n in parts) / len(parts)
     return {k: round(v, 4) for k, v in scores.items()}
 
 
-def eval_requests(n: int, seed: int, heldout: str) -> tuple:
+def eval_requests(n: int, seed: int, heldout: str, scene_world=world) -> tuple:
     generator = torch.Generator().manual_seed(seed)
-    attributes = world.decode(world.sample_codes(n, generator, heldout=heldout))
+    attributes = scene_world.decode(scene_world.sample_codes(n, generator, heldout=heldout))
     seeds = torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
     return attributes, seeds
+
+
+def training_tokens(scene_world, config: TinyDiTConfig, device):
+    """tokens(codes, generator) -> the prompt token ids [B, text_len] of training codes: world v1 looks its
+    4,000-odd prompts up in a table; world v2 builds them on the device, objects in a random order."""
+    if scene_world is world:
+        table = prompt_tokens(config.vocabulary, config.text_len, device)
+        return lambda codes, generator: table[combination_index(codes)]
+    return lambda codes, generator: scene_world.prompt_token_ids(codes, config.vocabulary, config.text_len, generator)
 
 
 def training_device(name: str, seed: int) -> tuple:
@@ -112,9 +130,10 @@ def training_device(name: str, seed: int) -> tuple:
     return device, device.type == "cuda"
 
 
-def report_requests(seed: int, random_prompts: int, heldout_prompts: int) -> tuple:
+def report_requests(seed: int, random_prompts: int, heldout_prompts: int, scene_world=world) -> tuple:
     """The final report's two request sets: random prompts (held-out triples included) and held-out ones only."""
-    return eval_requests(random_prompts, seed + 1000, "include"), eval_requests(heldout_prompts, seed + 2000, "only")
+    return (eval_requests(random_prompts, seed + 1000, "include", scene_world),
+            eval_requests(heldout_prompts, seed + 2000, "only", scene_world))
 
 
 def learning_rate(base: float, step: int, warmup: int, fraction: float) -> float:
@@ -144,6 +163,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="weights (.safetensors, fp16 EMA)")
     parser.add_argument("--json", help="accuracy report (default: --out with .json)")
+    parser.add_argument("--world", choices=tuple(WORLDS), default="v1",
+                        help="evaluation world: v1 one object, v2 scenes of two or three objects")
     parser.add_argument("--minutes", type=float, default=6.0, help="training wall-clock budget")
     parser.add_argument("--smoke", action="store_true", help="a few CPU-sized steps, to check the script")
     parser.add_argument("--batch", type=int, default=256)
@@ -170,6 +191,7 @@ def main(argv=None) -> int:
         args.batch, args.warmup, args.minutes = min(args.batch, 4), 2, 0.0
         args.eval_prompts, args.eval_heldout, args.steps, args.guidance = 8, 4, 2, "1,2"
         args.dim, args.layers, args.eval_every = 32, 2, 1e9
+    scene_world = WORLDS[args.world]
     json_path = args.json or os.path.splitext(args.out)[0] + ".json"
     device, cuda = training_device(args.device, args.seed)
 
@@ -177,7 +199,7 @@ def main(argv=None) -> int:
     if args.init:
         model = load_tiny_dit(args.init, str(device)).train()
         config = model.config
-        if config.vocabulary != list(world.VOCABULARY):
+        if config.vocabulary != list(scene_world.VOCABULARY) or config.text_len != scene_world.TEXT_LEN:
             raise ValueError(f"{args.init} was trained on another vocabulary than this world's")
         args.dim, args.layers, args.heads = config.dim, config.layers, config.heads
         with open(args.init, "rb") as handle:
@@ -189,7 +211,8 @@ def main(argv=None) -> int:
             earlier_stage.update({k: earlier.get(k) for k in ("training", "command", "accuracy", "recommended_guidance")})
         _log(f"initialised from {args.init}")
     else:
-        config = TinyDiTConfig(vocabulary=list(world.VOCABULARY), dim=args.dim, layers=args.layers, heads=args.heads)
+        config = TinyDiTConfig(vocabulary=list(scene_world.VOCABULARY), text_len=scene_world.TEXT_LEN, dim=args.dim,
+                               layers=args.layers, heads=args.heads)
         model = TinyVideoDiT(config).to(device).train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     parameters = sum(p.numel() for p in model.parameters())
@@ -202,8 +225,7 @@ def main(argv=None) -> int:
         (decay if matrix else no_decay).append(p)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.99), fused=cuda)
-    tokens = prompt_tokens(config.vocabulary, config.text_len, device)
-    empty_row = tokens.shape[0] - 1
+    tokens_of = training_tokens(scene_world, config, device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
 
     forward = model
@@ -211,11 +233,11 @@ def main(argv=None) -> int:
         forward = torch.compile(model)
 
     def train_step(step: int, lr: float) -> torch.Tensor:
-        codes = world.sample_codes(args.batch, generator, device, heldout="exclude")
-        x0 = world.render_codes(codes, generator)
-        rows = combination_index(codes)
+        codes = scene_world.sample_codes(args.batch, generator, device, heldout="exclude")
+        x0 = scene_world.render_codes(codes, generator)
+        tokens = tokens_of(codes, generator)
         dropped = torch.rand(args.batch, generator=generator, device=device) < args.text_dropout
-        rows = torch.where(dropped, torch.full_like(rows, empty_row), rows)
+        tokens = torch.where(dropped[:, None], torch.zeros_like(tokens), tokens)   # "" tokenizes to all PAD
         sigma = torch.sigmoid(torch.randn(args.batch, generator=generator, device=device))
         noise = torch.randn(x0.shape, generator=generator, device=device)
         s = sigma[:, None, None, None, None]
@@ -223,7 +245,7 @@ def main(argv=None) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            text = model.text(tokens[rows])
+            text = model.text(tokens)
             v = forward(x_sigma, sigma, text)
         return optimise(model, ema, optimizer, F.mse_loss(v.float(), noise - x0), step, args.ema)
 
@@ -232,7 +254,7 @@ def main(argv=None) -> int:
     step, seen, smooth, progress = 0, 0, None, []
     last_log = last_eval = start
     compile_seconds = None
-    quick = eval_requests(128 if not args.smoke else 4, args.seed + 7, "exclude")
+    quick = eval_requests(128 if not args.smoke else 4, args.seed + 7, "exclude", scene_world)
     while True:
         elapsed = time.time() - start
         if (args.smoke and step >= 3) or (not args.smoke and elapsed >= budget):
@@ -265,7 +287,8 @@ def main(argv=None) -> int:
                  f"{step / (now - start):.1f} it/s")
             last_log = now
         if now - last_eval >= args.eval_every:
-            scores = {g: evaluate(shipped_copy(ema), *quick, guidance=g, steps=args.steps) for g in (1.0, 3.0)}
+            scores = {g: evaluate(shipped_copy(ema), *quick, guidance=g, steps=args.steps, scene_world=scene_world)
+                      for g in (1.0, 3.0)}
             progress.append({"step": step, "seconds": round(now - start, 1), "loss": round(float(loss), 4),
                              "guidance_1": scores[1.0], "guidance_3": scores[3.0]})
             _log(f"  eval @ {step}: g=1 {scores[1.0]}  g=3 {scores[3.0]}")
@@ -274,18 +297,19 @@ def main(argv=None) -> int:
     _log(f"trained {step} steps, {seen} clips in {train_seconds:.0f}s")
 
     shipped = shipped_copy(ema)
-    random_set, heldout_set = report_requests(args.seed, args.eval_prompts, args.eval_heldout)
-    truth = world.attribute_accuracy(random_set[0], world.analyze_batch(
-        world.render_batch(random_set[0], seed=args.seed + 3000)))
+    copy.deepcopy(shipped).half().save(args.out)   # before the evaluation: a run cut short keeps its weights
+    evaluation_start = time.time()
+    random_set, heldout_set = report_requests(args.seed, args.eval_prompts, args.eval_heldout, scene_world)
+    truth = scene_world.attribute_accuracy(random_set[0], scene_world.analyze_batch(
+        scene_world.render_batch(random_set[0], seed=args.seed + 3000)))
     results = {}
     for guidance in [float(g) for g in args.guidance.split(",")]:
-        results[guidance] = {"random": evaluate(shipped, *random_set, guidance=guidance, steps=args.steps),
-                             "heldout": evaluate(shipped, *heldout_set, guidance=guidance, steps=args.steps)}
+        results[guidance] = {
+            name: evaluate(shipped, *requests, guidance=guidance, steps=args.steps, scene_world=scene_world)
+            for name, requests in (("random", random_set), ("heldout", heldout_set))}
         _log(f"guidance {guidance}: random {results[guidance]['random']}\n"
              f"              held-out {results[guidance]['heldout']}")
     best = max(results, key=lambda g: (results[g]["random"]["mean"], results[g]["random"]["all"]))
-
-    shipped.half().save(args.out)
     report = {
         "model": {"path": os.path.basename(args.out), "parameters": parameters, "dim": args.dim,
                   "layers": args.layers, "heads": args.heads, "dtype": "float16 (EMA)",
@@ -295,11 +319,11 @@ def main(argv=None) -> int:
                      "compiled": forward is not model, "steps": step, "clips_seen": seen, "batch": args.batch,
                      "lr": args.lr, "warmup": args.warmup, "ema": args.ema, "text_dropout": args.text_dropout,
                      "sigmas": "logit-normal (sigmoid of N(0,1))", "seed": args.seed,
-                     "heldout_triples": [list(t) for t in world.HELDOUT_TRIPLES],
+                     "world": args.world, "heldout_triples": [list(t) for t in scene_world.HELDOUT_TRIPLES],
                      "final_loss": round(float(loss), 4), "progress": progress},
         "sampling": {"sampler": "euler", "steps": args.steps, "sigmas": f"flow_sigmas({args.steps}, shift=3.0)",
-                     "noise": "world.initial_noise(seed)", "uncond_prompt": ""},
-        "evaluation": {"random_prompts": args.eval_prompts, "heldout_prompts": args.eval_heldout,
+                     "noise": f"{args.world} initial_noise(seed)", "uncond_prompt": ""},
+        "evaluation": {"seconds": round(time.time() - evaluation_start, 1), "random_prompts": args.eval_prompts, "heldout_prompts": args.eval_heldout,
                        "analyzer_on_ground_truth": {k: round(v, 4) for k, v in truth.items()},
                        "by_guidance": {str(g): r for g, r in results.items()}},
         "recommended_guidance": best,

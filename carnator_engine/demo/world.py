@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 FRAMES, HEIGHT, WIDTH = 8, 32, 32
+TEXT_LEN = 16            # prompt tokens the demo model reads (TinyDiTConfig.text_len)
 CLIP_SHAPE = (3, FRAMES, HEIGHT, WIDTH)
 
 COLORS = {
@@ -226,26 +227,39 @@ def render_codes(codes: torch.Tensor, generator: Optional[torch.Generator] = Non
     generator (on the codes' device) draws it. Edges are anti-aliased over one pixel.
     """
     device = codes.device
-    batch = codes.shape[0]
     color = COLOR_RGB.to(device)[codes[:, 0]]
-    shape = codes[:, 1]
     step = DIRECTION_XY.to(device)[codes[:, 2]] * SPEED_PX.to(device)[codes[:, 5], None]   # [B, 2]
     background = BACKGROUND_RGB.to(device)[codes[:, 3]]
     radius = RADIUS_PX.to(device)[codes[:, 4]]
+    frame_size = torch.tensor([WIDTH, HEIGHT], dtype=torch.float32, device=device)
+    centers = object_centers(step, radius, torch.zeros(2, device=device), frame_size, generator)
+    canvas = background[:, :, None, None, None].expand(-1, -1, FRAMES, HEIGHT, WIDTH)
+    return paint(canvas, color, codes[:, 1], centers, radius) * 2.0 - 1.0
 
+
+def object_centers(step: torch.Tensor, radius: torch.Tensor, box_origin: torch.Tensor, box_size: torch.Tensor,
+                   generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Centres [B, F, 2] (x, y in pixels) of objects moving `step` [B, 2] pixels a frame inside their box
+    (top-left corner `box_origin`, extent `box_size`, each [2] or [B, 2]). The start is uniform over the places
+    from which the whole path, anti-aliased edge included, stays in the box; the generator draws it."""
     travel = step * (FRAMES - 1)
     margin = (radius + 1.0)[:, None]   # the anti-aliased edge ends half a pixel short of the border
-    frame_size = torch.tensor([WIDTH, HEIGHT], dtype=torch.float32, device=device)
-    low = margin - travel.clamp(max=0)
-    high = frame_size - margin - travel.clamp(min=0)
-    start = low + torch.rand(batch, 2, generator=generator, device=device) * (high - low)
-    t = torch.arange(FRAMES, dtype=torch.float32, device=device)
-    centers = start[:, None, :] + step[:, None, :] * t[None, :, None]                        # [B, F, 2]
+    low = box_origin + margin - travel.clamp(max=0)
+    high = box_origin + box_size - margin - travel.clamp(min=0)
+    start = low + torch.rand(step.shape[0], 2, generator=generator, device=step.device) * (high - low)
+    t = torch.arange(FRAMES, dtype=torch.float32, device=step.device)
+    return start[:, None, :] + step[:, None, :] * t[None, :, None]
 
-    coverage = _shape_coverage(centers, radius[:, None], HEIGHT, WIDTH)                         # [3, B, F, H, W]
+
+def paint(canvas: torch.Tensor, color: torch.Tensor, shape: torch.Tensor, centers: torch.Tensor,
+          radius: torch.Tensor, present: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """canvas [B, 3, F, H, W] in [0, 1] with one object per clip drawn over it: colour [B, 3], shape index [B],
+    centres [B, F, 2], radius [B]; rows where `present` [B] is False stay as they are."""
+    coverage = _shape_coverage(centers, radius[:, None], canvas.shape[-2], canvas.shape[-1])   # [3, B, F, H, W]
     coverage = coverage.gather(0, shape[None, :, None, None, None].expand(1, *coverage.shape[1:]))[0][:, None]
-    rgb = background[:, :, None, None, None] * (1 - coverage) + color[:, :, None, None, None] * coverage
-    return rgb * 2.0 - 1.0
+    if present is not None:
+        coverage = coverage * present[:, None, None, None, None]
+    return canvas * (1 - coverage) + color[:, :, None, None, None] * coverage
 
 
 def render(attributes: dict, seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
@@ -294,8 +308,15 @@ def _extent(any_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(any_mask.any(-1), last - first + 1, torch.zeros_like(first)).float()
 
 
+def read_background(x: torch.Tensor) -> tuple:
+    """x [B, 3, F, H, W] in [0, 1] -> (the border's median colour [B, 3], index [B] of the nearest background)."""
+    border = torch.cat([x[..., 0, :], x[..., -1, :], x[..., 1:-1, 0], x[..., 1:-1, -1]], dim=-1)
+    background_rgb = border.flatten(2).median(-1).values
+    return background_rgb, _nearest(background_rgb, BACKGROUND_RGB)
+
+
 @torch.no_grad()
-def analyze_batch(clips: torch.Tensor, measurements: bool = False):
+def analyze_batch(clips: torch.Tensor, measurements: bool = False, size_split: float = SIZE_SPLIT):
     """Read the attributes back from clips [B, 3, 8, 32, 32] in [-1, 1].
 
     background: the border's median colour, nearest background; object: pixels far from it;
@@ -303,14 +324,13 @@ def analyze_batch(clips: torch.Tensor, measurements: bool = False):
     coverage (projection on the colour-minus-background axis) > 0.5 gives per-frame masks, whose
     bounding-box extent gives size, the best match of its coverage with each shape drawn in that box
     gives shape (frames vote), and the centroid track (least-squares
-    slope) direction and speed. A clip with no object gets None for the object's attributes.
+    slope) direction and speed. A clip with no object gets None for the object's attributes. size_split is
+    the bounding-box extent (px) between small and large (world v2 reads its smaller objects with its own).
     Returns a list of dicts, and with measurements=True also a dict of the raw numbers [B].
     """
     x = ((clips.float() + 1.0) / 2.0).clamp(0.0, 1.0)
     batch, _, frames, height, width = x.shape
-    border = torch.cat([x[..., 0, :], x[..., -1, :], x[..., 1:-1, 0], x[..., 1:-1, -1]], dim=-1)
-    background_rgb = border.flatten(2).median(-1).values                                        # [B, 3]
-    background = _nearest(background_rgb, BACKGROUND_RGB)
+    background_rgb, background = read_background(x)
     offset = x - background_rgb[:, :, None, None, None]
     distance = offset.norm(dim=1)                                                                # [B, F, H, W]
 
@@ -373,7 +393,7 @@ def analyze_batch(clips: torch.Tensor, measurements: bool = False):
     horizontal = vx.abs() >= vy.abs()
     direction = torch.where(horizontal, torch.where(vx < 0, 0, 1), torch.where(vy < 0, 2, 3))
     speed = torch.where(torch.maximum(vx.abs(), vy.abs()) > SPEED_SPLIT, 1, 0)
-    size = (extent > SIZE_SPLIT).long()
+    size = (extent > size_split).long()
 
     found = (valid.any(1) & has_object).tolist()
     moving = (valid.any(1) & has_object & enough_frames).tolist()

@@ -31,7 +31,9 @@ from typing import Callable, Optional
 import torch
 
 from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
+from .conditioning import conditioning_fingerprint, start_image_fingerprint
 from .model_key import host_version, model_key
+from .refused import refusal
 from .step_caches import StepCacheCarry, live_holder
 
 log = logging.getLogger("carnator.comfyui")
@@ -75,17 +77,19 @@ class _Spec:
 # Wan and LTX-Video attend over the video tokens alone, HunyuanVideo over the video tokens then the text tokens
 # (double-stream blocks concatenate the two streams, single-stream blocks carry them concatenated).
 _SUPPORTED = {
-    "WAN21": _Spec("WanModel", (("blocks", "double_block"),), {16: WAN21}),          # Wan 2.1 T2V/I2V, Wan 2.2 A14B
-    "WAN22": _Spec("WanModel", (("blocks", "double_block"),), {48: WAN22_5B}),       # Wan 2.2 TI2V 5B
+    "WAN21": _Spec("WanModel", (("blocks", "double_block"),), {16: WAN21}),          # Wan 2.1 T2V/I2V, Wan 2.2 A14B T2V/I2V
+    "WAN22": _Spec("WanModel", (("blocks", "double_block"),), {48: WAN22_5B}),       # Wan 2.2 TI2V 5B (T2V, I2V)
     "LTXV": _Spec("LTXVModel", (("transformer_blocks", "double_block"),), {128: LTX_VIDEO}),
     "HunyuanVideo": _Spec("HunyuanVideo", (("double_blocks", "double_block"), ("single_blocks", "single_block")),
                           {16: HUNYUAN_VIDEO}, joint_text=True),
 }
-SUPPORTED_TEXT = "Wan 2.1 / Wan 2.2 (ComfyUI classes WAN21, WAN22), LTX-Video (LTXV) and HunyuanVideo T2V (HunyuanVideo)"
+SUPPORTED_TEXT = ("Wan 2.1 / Wan 2.2 T2V and I2V (ComfyUI classes WAN21, WAN22), LTX-Video (LTXV) and HunyuanVideo T2V "
+                  "(HunyuanVideo)")
 
-_I2V_WHY = ("image-to-video: the input image's latent conditions every step (concatenated channels, a replaced "
-            "first frame) and the signature does not compare images, so a cached trajectory of another image "
-            "could be reused")
+_I2V_WHY = ("image-to-video is not supported for HunyuanVideo yet: besides the concatenated image latent (which Carnator "
+            "keys, as for Wan I2V), its 'v2 (replace)' mode swaps the first latent frame inside the model with a "
+            "timestep of its own (guiding_frame_index), a path Carnator's probe and resume have not been verified "
+            "on")
 _WHY_NOT = {
     "HunyuanVideoI2V": _I2V_WHY,
     "HunyuanVideoSkyreelsI2V": _I2V_WHY,
@@ -136,39 +140,7 @@ def backbone_for(model) -> HostBackbone:
     return HostBackbone(name, layout, keys, entry.joint_text)
 
 
-# ---- fingerprint ------------------------------------------------------------------------------
-
-def _digest(digest, value, depth: int = 0) -> None:
-    """Adds the whole of a conditioning's data (tensors and options such as timestep ranges or masks): two
-    values must never be taken for one another."""
-    if depth > 8:
-        digest.update(b"<deep>")
-    elif torch.is_tensor(value):
-        digest.update(f"T{tuple(value.shape)}{value.dtype}".encode())
-        if value.numel():
-            digest.update(value.detach().reshape(-1).to("cpu", torch.float32).contiguous().numpy().tobytes())
-    elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
-        digest.update(repr(value).encode())
-    elif isinstance(value, (list, tuple)):
-        digest.update(f"[{len(value)}".encode())
-        for item in value:
-            _digest(digest, item, depth + 1)
-    elif isinstance(value, dict):
-        for key in sorted(value, key=str):
-            digest.update(str(key).encode())
-            _digest(digest, value[key], depth + 1)
-    else:
-        digest.update(getattr(value, "__qualname__", type(value).__qualname__).encode())
-
-
-def conditioning_fingerprint(positive, negative, seed: int) -> str:
-    """The request's own inputs besides its noise: both conditionings whole (tensors and options such as
-    timestep ranges or masks) and the seed, which stochastic samplers draw their step noise from."""
-    digest = hashlib.sha256(f"seed={int(seed)}".encode())
-    for conditioning in (positive, negative):
-        _digest(digest, conditioning)
-    return digest.hexdigest()
-
+# ---- fingerprint ----------------------------------------------------------------------------------
 
 def _parameter_shapes(model) -> dict:
     return {name: tuple(t.shape) for name, t in model.model.diffusion_model.state_dict().items()}
@@ -375,11 +347,20 @@ class ComfyRunner:
     def __init__(self, model, positive, negative, cfg: float, sampler_name: str, scheduler: Optional[str] = None,
                  sigmas: Optional[torch.Tensor] = None, steps: Optional[int] = None, seed: int = 0,
                  step_callback: Optional[StepCallback] = None, disable_pbar: bool = True,
-                 low_noise_model=None, switch_step: int = 0, boundary_sigma: float = 0.0):
-        """`low_noise_model`: Wan 2.2 A14B's second expert, run from the switch on (see expert_switch_step)."""
+                 low_noise_model=None, switch_step: int = 0, boundary_sigma: float = 0.0,
+                 latent_image: Optional[torch.Tensor] = None, noise_mask: Optional[torch.Tensor] = None):
+        """`low_noise_model`: Wan 2.2 A14B's second expert, run from the switch on (see expert_switch_step).
+        `latent_image` with `noise_mask`: a LATENT whose masked-out part is kept (Wan 2.2 TI2V 5B's start image,
+        from Wan22ImageToVideoLatent); every run samples with both, as KSampler does."""
         import comfy.samplers
         self.backbone = backbone_for(model)
         self.layout = self.backbone.layout
+        for input_name, source in (("model", model), ("low_noise_model", low_noise_model)):
+            why = source is not None and refusal(source)
+            if why:
+                error = UnsupportedModelError(f"Carnator: {why}")
+                error.input_name = input_name
+                raise error
         if sampler_name not in comfy.samplers.KSampler.SAMPLERS:
             raise ValueError(f"unknown sampler_name {sampler_name!r}: choose one of "
                              f"{', '.join(comfy.samplers.KSampler.SAMPLERS)}")
@@ -406,6 +387,12 @@ class ComfyRunner:
         self.sampler = f"{sampler_name}/cfg={cfg:g}"
         self.counts_forwards = True                  # at the diffusion model (_forward_counter)
         self.request_fingerprint = conditioning_fingerprint(positive, negative, self.seed)
+        if noise_mask is not None and latent_image is None:
+            raise ValueError("a noise_mask needs the latent_image it keeps")
+        self.kept_latent = None if noise_mask is None else latent_image.detach().to("cpu", torch.float32)
+        self.noise_mask = None if noise_mask is None else noise_mask.detach().to("cpu", torch.float32)
+        # part of the bucket: a hit only ever resumes a generation of the same start image ("" for text-to-video)
+        self.image_fingerprint = start_image_fingerprint(positive, negative, self.kept_latent, self.noise_mask)
         self.carry = StepCacheCarry()                # the step cache's state from one run of the request to the next
         self.low_noise_model, self.switch_step = None, None
         if low_noise_model is not None:
@@ -552,18 +539,15 @@ class ComfyRunner:
         model = self._patched_clone(source, run)
         x = x.detach().to("cpu", torch.float32)
         sigma0 = float(sub[0])
-        if sigma0 >= 1.0 or math.isclose(sigma0, 1.0, rel_tol=1e-6):
-            noise, latent = x / sigma0, torch.zeros_like(x)
-        elif sigma0 <= 0.0:
+        if sigma0 <= 0.0:
             raise ValueError("cannot run steps from sigma 0: the trajectory has already ended")
-        else:
-            noise, latent = torch.zeros_like(x), self.to_latent_format(x / (1.0 - sigma0)).cpu()
+        noise, latent = self._sampler_start(x, sigma0)
         sampler = comfy.samplers.sampler_object(self.sampler_name)
         try:
             with torch.no_grad():
                 out = comfy.sample.sample_custom(model, noise, self.cfg, sampler, sub, self.positive, self.negative,
-                                                 latent, callback=run.callback, disable_pbar=self.disable_pbar,
-                                                 seed=self.seed)
+                                                 latent, noise_mask=self.noise_mask, callback=run.callback,
+                                                 disable_pbar=self.disable_pbar, seed=self.seed)
         except Exception as error:   # say where: another node's wrapper or patch raises inside the sampler
             if isinstance(error, (comfy.model_management.InterruptProcessingException, torch.OutOfMemoryError)):
                 raise                # ComfyUI handles a cancel and an OOM itself
@@ -573,6 +557,17 @@ class ComfyRunner:
         x_end = self.from_latent_format(out.to("cpu")) * (1.0 - float(schedule[end]))
         run.finish(x_end, end)
         return x_end
+
+    def _sampler_start(self, x: torch.Tensor, sigma0: float) -> tuple:
+        """(noise, latent_image) for which the host sampler starts at x: it starts from sigma0 * noise +
+        (1 - sigma0) * latent (latent in the model space). With a kept latent (a noise mask) the latent must be that
+        one, since the sampler keeps its masked-out part at every evaluation, so the noise carries x."""
+        if self.noise_mask is not None:
+            kept = self.from_latent_format(self.kept_latent) if bool(self.kept_latent.any()) else self.kept_latent
+            return (x - (1.0 - sigma0) * kept) / sigma0, self.kept_latent
+        if sigma0 >= 1.0 or math.isclose(sigma0, 1.0, rel_tol=1e-6):
+            return x / sigma0, torch.zeros_like(x)
+        return torch.zeros_like(x), self.to_latent_format(x / (1.0 - sigma0)).cpu()
 
     def preview(self, latent: torch.Tensor) -> torch.Tensor:
         """Middle frame of a model-space latent as RGB [3, H, W] in [-1, 1] (the host's latent->RGB factors)."""

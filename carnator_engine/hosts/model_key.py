@@ -134,7 +134,8 @@ class _Walk:
             self._text(_qualname(value))   # LoRA, LoHa, LoKr adapters: their weights decide
             self._value(path, value.weights, depth + 1)
         else:
-            self.unknown.append(f"{path} (a {type(value).__module__}.{_qualname(value)} object)")
+            made = f" made in {_origin(value)}" if "<locals>" in _qualname(value) else ""
+            self.unknown.append(f"{path} (an object of type {type(value).__name__}{made})")
 
     def _tensor(self, value: torch.Tensor) -> None:
         flat = value.detach().reshape(-1)
@@ -219,24 +220,55 @@ def _step_cache_name(value) -> Optional[str]:
     return None
 
 
+def _origin(value) -> str:
+    """Where a function or class comes from, as a creator knows it: the node class (or function) it was defined in
+    ("ModelSamplingSD3" for ModelSamplingSD3.patch.<locals>.ModelSamplingAdvanced), else its own name."""
+    return _qualname(value).split(".<locals>")[0].split(".")[0]
+
+
+def _settings(module: torch.nn.Module) -> str:
+    """A patched module's settings as its node's inputs name them: `shift` where it has one (model sampling
+    patches: the rest are ComfyUI's internals), else every plain number it holds."""
+    numbers = {k: v for k, v in sorted(vars(module).items())
+               if not k.startswith("_") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    shown = {"shift": numbers["shift"]} if "shift" in numbers else numbers
+    return ", ".join(f"{k}={v:g}" for k, v in shown.items())
+
+
 def _label(value) -> str:
-    """A short name of an option for the "why a new bucket" text ("" for a declared observer)."""
+    """A short name of an option for the "why a new bucket" text, in a creator's words: the node it comes from and
+    its settings, never a Python qualified name ("" for a declared observer)."""
     declared = _declared(value)
     if declared is not None:
         return declared
     if _step_cache_name(value):
         return ""       # described from the step cache's settings
     if isinstance(value, torch.nn.Module):
-        simple = [f"{k}={v:g}" for k, v in sorted(vars(value).items())
-                  if not k.startswith("_") and isinstance(v, (int, float)) and not isinstance(v, bool)]
-        return _qualname(value) + (f"({', '.join(simple)})" if simple else "")
+        settings = _settings(value)
+        return f"from {_origin(value)}" + (f", {settings}" if settings else "")
     if isinstance(value, (list, tuple)):
-        return "+".join(label for label in map(_label, value) if label)
+        return "; ".join(label for label in map(_label, value) if label)
     if isinstance(value, dict):
-        return ", ".join(f"{k}: {_label(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
+        return "; ".join(f"{k}: {_label(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
+    if isinstance(value, functools.partial):
+        return _label(value.func)
+    if isinstance(value, types.MethodType):
+        return _label(value.__func__)
     if callable(value):
-        return _qualname(value)
+        return f"from {_origin(value)}"
     return repr(value)
+
+
+def _patch_text(name: str, value) -> str:
+    """An object patch for people: "model sampling patch (from ModelSamplingSD3, shift=8)"."""
+    return f"{name.replace('_', ' ')} patch ({_label(value)})"
+
+
+def _hook_text(kind: str, stage: str, functions) -> str:
+    """A wrapper or callback another node put on the model: "another node's wrapper on the diffusion model (from
+    ScaleOutputNode)"."""
+    label = _label(functions)
+    return f"another node's {kind} on the {stage.replace('_', ' ')} ({label})" if label else ""
 
 
 # ---- the diffusion model's own weights -------------------------------------------------------------
@@ -254,12 +286,35 @@ class _LoadedWeights:
 
     def state_dict(self) -> dict:
         backup = getattr(self.model, "backup", None) or {}
-        weights = self.model.model.diffusion_model.state_dict()
-        for name in weights:
+        diffusion = self.model.model.diffusion_model
+        weights = diffusion.state_dict()
+        parameters = None
+        for name in list(weights):
             saved = backup.get("diffusion_model." + name)
             if saved is not None:
                 weights[name] = saved.weight
+            elif weights[name].device.type == "meta":
+                # ComfyUI-GGUF's layers give a state dict of empty (meta) tensors, a size estimate: their parameters
+                # hold the quantized bytes, which are what identifies the weights
+                parameters = parameters if parameters is not None else dict(diffusion.named_parameters())
+                if name in parameters:
+                    weights[name] = parameters[name]
+                else:
+                    del weights[name]
         return weights
+
+
+def weight_formats(diffusion) -> str:
+    """The quantized formats of the weights ("Q8_0 x 20, F32 x 41"), from the `tensor_type` that ComfyUI-GGUF's
+    weights carry; "" for plain tensors. Their bytes are in the weights' fingerprint already; the format is named as
+    well, so the "why a new bucket" text says it."""
+    counts: dict = {}
+    for parameter in diffusion.parameters():
+        kind = getattr(parameter, "tensor_type", None)
+        if kind is not None:
+            name = getattr(kind, "name", str(kind))
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} x {count}" for name, count in sorted(counts.items()))
 
 
 def host_version() -> str:
@@ -278,11 +333,12 @@ def model_key(model, backbone) -> ModelKey:
         weights = _BASE_WEIGHTS[diffusion] = module_fingerprint(_LoadedWeights(model))
     base = model.model
     walk = _Walk()
+    formats = weight_formats(diffusion)
     walk.add("base", [weights, backbone.model_class, type(diffusion).__name__, backbone.layout.name,
                       str(backbone.layout.patch_size), str(model.model_dtype()),
                       str(getattr(base, "manual_cast_dtype", None)), type(base.latent_format).__name__,
-                      f"comfyui={host_version()}"])
-    described = []
+                      f"comfyui={host_version()}"] + ([f"weights={formats}"] if formats else []))
+    described = [f"GGUF weights: {formats}"] if formats else []
     options = {
         "weight patches": model.patches,
         "hook patches": list((getattr(model, "hook_patches", None) or {}).values()),  # keys are per-process refs
@@ -308,12 +364,11 @@ def model_key(model, backbone) -> ModelKey:
         if options[name]:
             described.append(f"{name}: {', '.join(sorted(map(str, options[name])))}")
     for name, value in sorted(model.object_patches.items()):
-        described.append(f"object patch {name}: {_label(value)}")
+        described.append(_patch_text(name, value))
     for kind in ("wrappers", "callbacks"):
         for stage, keyed in sorted(options[kind].items()):
-            for key, functions in keyed.items():
-                if _label(functions):
-                    described.append(f"{kind[:-1]} {stage}/{key}: {_label(functions)}")
+            for functions in keyed.values():
+                described.append(_hook_text(kind[:-1], stage, functions))
     _describe_model_options(model.model_options, described)
     if walk.step_cache is not None:
         described.append(walk.step_cache.text())
@@ -327,13 +382,12 @@ def _describe_model_options(model_options: dict, described: list) -> None:
             for key, option in sorted(value.items()):
                 if key in ("wrappers", "callbacks") and isinstance(option, dict):
                     for stage, keyed in sorted(option.items()):
-                        for wrapper_key, functions in keyed.items():
-                            if _label(functions):
-                                described.append(f"{key[:-1]} {stage}/{wrapper_key}: {_label(functions)}")
+                        for functions in keyed.values():
+                            described.append(_hook_text(key[:-1], stage, functions))
                 elif (option or option == 0) and _label(option):
-                    described.append(f"transformer_options[{key}]: {_label(option)}")
+                    described.append(f"transformer option {key.replace('_', ' ')} ({_label(option)})")
         elif (value or value == 0) and _label(value):
-            described.append(f"{name}: {_label(value)}")
+            described.append(f"model option {name.replace('_', ' ')} ({_label(value)})")
 
 
 __all__ = ["ModelKey", "StepCache", "model_key", "host_version", "STEP_CACHE_KEY", "STEP_CACHE_SETTINGS"]

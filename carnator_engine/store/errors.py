@@ -7,3 +7,8 @@ class StoreError(RuntimeError):
 
 class CorruptEntryError(StoreError):
     """An entry's bytes do not match what was written (torn, truncated or overwritten)."""
+
+
+class StoreUnavailable(StoreError):
+    """The medium cannot be reached now (a server down, a shared folder not mounted), though the store exists: a
+    store opened this way serves full generations and reconnects (store.py), instead of failing the request."""

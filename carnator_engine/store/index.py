@@ -31,24 +31,27 @@ class Candidate:
     distance: SignatureDistance
 
 
-def bucket_key(model_fingerprint: str, latent_shape, sigmas, sampler: str) -> str:
+def bucket_key(model_fingerprint: str, latent_shape, sigmas, sampler: str, image: str = "") -> str:
+    """`image`: the request's start image fingerprint, "" for text-to-video (whose buckets it leaves as they were)."""
     text = "|".join([model_fingerprint, "x".join(str(int(d)) for d in latent_shape),
-                     schedule_fingerprint(sigmas), sampler])
+                     schedule_fingerprint(sigmas), sampler] + ([f"image={image}"] if image else []))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 # A bucket's parts, as a newcomer would name them (bucket_difference).
 BUCKET_PARTS = {"model": "model/patches (weights, LoRAs or their strengths)", "shape": "latent shape (size or length)",
                 "steps": "steps", "schedule": "scheduler (sigma schedule)", "sampler": "sampler",
-                "cfg": "cfg/guidance"}
+                "cfg": "cfg/guidance", "image": "start image (image-to-video conditioning)"}
+_NAMED_ONLY = ("model", "schedule", "image")     # digests: named, their values mean nothing to a reader
 
 
-def bucket_parts(model_fingerprint: str, latent_shape, sigmas, sampler: str) -> dict:
+def bucket_parts(model_fingerprint: str, latent_shape, sigmas, sampler: str, image: str = "") -> dict:
     """The inputs of bucket_key, readable. Kept with each entry, so that a request finding no entry of its own bucket
     can be told which part differs from the nearest entry's. `sampler` is the runner's text "name/cfg=...[/...]"."""
     name, _, guidance = sampler.partition("/")
-    return {"model": model_fingerprint, "shape": "x".join(str(int(d)) for d in latent_shape),
-            "steps": len(sigmas) - 1, "schedule": schedule_fingerprint(sigmas), "sampler": name, "cfg": guidance}
+    parts = {"model": model_fingerprint, "shape": "x".join(str(int(d)) for d in latent_shape),
+             "steps": len(sigmas) - 1, "schedule": schedule_fingerprint(sigmas), "sampler": name, "cfg": guidance}
+    return {**parts, "image": image} if image else parts
 
 
 def bucket_difference(store: CarnatorStore, parts: dict) -> str:
@@ -70,7 +73,7 @@ def bucket_difference(store: CarnatorStore, parts: dict) -> str:
             return "the cache holds no generation yet"
         return f"none of the cache's {usable} entries records its bucket's parts"
     entry_id, differ, theirs = best
-    shown = [BUCKET_PARTS[name] if name in ("model", "schedule")
+    shown = [BUCKET_PARTS[name] if name in _NAMED_ONLY
              else f"{BUCKET_PARTS[name]} ({parts.get(name) or 'none'} here, {theirs.get(name) or 'none'} there)"
              for name in differ]
     return f"the nearest cached generation, entry {entry_id}, differs in {', '.join(shown)}"

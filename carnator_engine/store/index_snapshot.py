@@ -24,7 +24,7 @@ from .memory_index import IndexedEntry, MemoryIndex
 from .vectors import VECTOR_DIM, BucketMatrix
 
 MAGIC = b"carnator index snapshot\n"
-VERSION = 1
+VERSION = 2     # 2: each entry's exact repeats
 ROW_BYTES = VECTOR_DIM * 2
 
 
@@ -45,7 +45,8 @@ def encode(index: MemoryIndex, cursor, store_id: str) -> bytes:
     columns = {
         "ids": ids, "buckets": buckets, "parts": index.bucket_parts,
         "bucket": [number[e.bucket] for e in entries], "size": [e.size for e in entries],
-        "hits": [e.hits for e in entries], "steps_saved": [e.steps_saved for e in entries],
+        "hits": [e.hits for e in entries], "repeats": [e.repeats for e in entries],
+        "steps_saved": [e.steps_saved for e in entries],
         "corrupt": [int(e.corrupt) for e in entries], "repeat_key": [e.repeat_key for e in entries],
         "created": [e.created for e in entries], "last_used": [e.last_used for e in entries],
         "root": ["" if e.root == i else e.root for i, e in zip(ids, entries)],
@@ -102,14 +103,15 @@ def decode(data: bytes, store_id: str) -> tuple:
 
 def _index(columns: dict, vectors: np.ndarray, count: int) -> MemoryIndex:
     ids, buckets = columns["ids"], columns["buckets"]
-    fields = ("bucket", "size", "hits", "steps_saved", "corrupt", "repeat_key", "created", "last_used", "root", "sig")
+    fields = ("bucket", "size", "hits", "steps_saved", "corrupt", "repeat_key", "created", "last_used", "root", "sig",
+              "repeats")
     if len(ids) != count or any(len(columns[name]) != count for name in fields):
         raise UnusableSnapshot("its columns are not all of one length")
     entries = {}
-    for entry_id, bucket, size, hits, saved, corrupt, repeat, created, used, root, sig in zip(
+    for entry_id, bucket, size, hits, saved, corrupt, repeat, created, used, root, sig, repeats in zip(
             ids, *(columns[name] for name in fields)):
         entries[entry_id] = IndexedEntry(buckets[bucket], size, hits, saved, bool(corrupt), repeat, created, used,
-                                         root or entry_id, sig)
+                                         root or entry_id, sig, repeats)
     matrices, start, rows = {}, 0, len(vectors)
     while start < rows:     # the rows come bucket by bucket
         bucket = entries[ids[start]].bucket

@@ -20,7 +20,7 @@ import sqlite3
 import urllib.parse
 import uuid
 
-from .errors import StoreError
+from .errors import StoreError, StoreUnavailable
 
 MARKER_FILE = "carnator-store.json"
 FORMAT = "carnator-store"
@@ -42,6 +42,9 @@ def _inside(path: str, tree: str) -> bool:
 
 def check_location(directory: str) -> str:
     """The folder's absolute real path, or StoreError for the filesystem root, a system folder or the home folder."""
+    if "\x00" in directory:
+        raise StoreError(f"Carnator cache {directory[:200]!r} holds a NUL character (\\x00), which no folder name "
+                         "can hold: retype the path")
     real = os.path.realpath(os.path.abspath(os.path.expanduser(directory)))
     home = os.path.realpath(os.path.expanduser("~"))
     refused = (os.path.dirname(real) == real or real == home or real in REFUSED_FOLDERS
@@ -63,7 +66,7 @@ def _legacy_identity(directory: str):
         with open(database, "rb") as handle:
             if handle.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
                 return None
-    except OSError:
+    except (OSError, ValueError):    # ValueError: a path no file can have (a NUL byte)
         return None
     try:
         connection = sqlite3.connect(f"file:{urllib.parse.quote(database)}?immutable=1", uri=True)
@@ -77,14 +80,16 @@ def _legacy_identity(directory: str):
     return identity if isinstance(identity, str) and IDENTITY.fullmatch(identity) else None
 
 
-def _read_marker(directory: str) -> str:
+def read_marker(directory: str) -> dict:
+    """The marker's fields (format, version, identity; a blob folder's also `farm`, the identity of the farm
+    whose folder it is, and `redis`, where that farm's Redis was when it was made); StoreError when damaged."""
     path = os.path.join(directory, MARKER_FILE)
     try:
         with open(path, "rb") as handle:
             value = json.loads(handle.read(4096))
         identity, version = value["identity"], value["version"]
         if value.get("format") != FORMAT or not isinstance(identity, str) or not IDENTITY.fullmatch(identity) \
-                or not isinstance(version, int):
+                or not isinstance(version, int) or not isinstance(value.get("farm", identity), str):
             raise ValueError("not a Carnator store marker")
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise StoreError(f"Carnator cache {directory!r}: its marker {MARKER_FILE} is unreadable or damaged "
@@ -92,21 +97,29 @@ def _read_marker(directory: str) -> str:
     if version > FORMAT_VERSION:
         raise StoreError(f"Carnator cache {directory!r} was made by a newer Carnator (store format {version}, this "
                          f"one reads {FORMAT_VERSION}): update Carnator or choose another cache path")
-    return identity
+    return value
 
 
-def _write_marker(directory: str, identity: str) -> None:
-    """Whole or not at all, and never over another process's marker: a temporary file, hard-linked into place
-    (fails where the marker exists), so two processes creating one store at once agree on its identity."""
+def _read_marker(directory: str) -> str:
+    return read_marker(directory)["identity"]
+
+
+def _write_marker(directory: str, identity: str, replace: bool = False, **fields) -> None:
+    """Whole or not at all, and never over another process's marker (unless `replace`: the same store's marker
+    with `fields` added): a temporary file, hard-linked into place (fails where the marker exists), so two
+    processes creating one store at once agree on its identity."""
     final = os.path.join(directory, MARKER_FILE)
     temporary = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
-    data = json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "identity": identity}).encode()
+    data = json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "identity": identity, **fields}).encode()
     try:
         with open(temporary, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         try:
+            if replace:
+                os.replace(temporary, final)
+                return
             os.link(temporary, final)
         except FileExistsError:
             pass                           # another process marked it first: its identity is the store's
@@ -156,17 +169,34 @@ def inspect(directory: str):
     return None
 
 
-def claim(directory: str) -> str:
+def claim(directory: str, create: bool = True, **fields) -> str:
     """The identity of the Carnator store in `directory` (an absolute path checked by check_location): read from
-    its marker; a legacy store adopted (marked with its own identity); a missing or empty folder made a new store.
+    its marker; a legacy store adopted (marked with its own identity); a missing or empty folder made a new store
+    (marked with `fields` too) when `create`, else StoreUnavailable: a store known to exist whose folder is
+    missing or empty is a dropped mount, and marking the mount point would hide the store behind a new one.
     StoreError for a folder that is not a Carnator store, with nothing in it touched (inspect decides)."""
     identity = inspect(directory)
     if os.path.isfile(os.path.join(directory, MARKER_FILE)):
         return identity
+    if identity is None and not create:
+        raise StoreUnavailable(f"Carnator folder {directory!r} is missing or empty, but its store exists: is "
+                               "the shared folder mounted? (nothing was written there)")
     try:
         os.makedirs(directory, exist_ok=True)
-        _write_marker(directory, identity or uuid.uuid4().hex)
+        _write_marker(directory, identity or uuid.uuid4().hex, **fields)
     except OSError as error:
         raise StoreError(f"Carnator cache directory {directory!r} is not writable ({error.strerror or error}): "
                          "choose another cache path") from error
     return _read_marker(directory)
+
+
+def add_to_marker(directory: str, **fields) -> None:
+    """Writes `fields` into the folder's marker, identity and what it held kept (a marker from before a field)."""
+    value = read_marker(directory)
+    value.update(fields)
+    try:
+        _write_marker(directory, value.pop("identity"), replace=True,
+                      **{k: v for k, v in value.items() if k not in ("format", "version")})
+    except OSError as error:
+        raise StoreError(f"Carnator folder {directory!r}: its marker could not be written "
+                         f"({error.strerror or error}): fix its permissions") from error

@@ -19,13 +19,15 @@ from .vectors import BucketMatrix
 
 class IndexedEntry:
     __slots__ = ("bucket", "size", "hits", "steps_saved", "corrupt", "repeat_key", "created", "last_used", "root",
-                 "sig_sha256")
+                 "sig_sha256", "repeats")
 
     def __init__(self, bucket: str, size: int, hits: int, steps_saved: int, corrupt: bool,
-                 repeat_key: Optional[str], created: float, last_used: float, root: str, sig_sha256: str):
+                 repeat_key: Optional[str], created: float, last_used: float, root: str, sig_sha256: str,
+                 repeats: int = 0):
         self.bucket, self.size, self.hits, self.steps_saved, self.corrupt = bucket, size, hits, steps_saved, corrupt
         self.repeat_key, self.created, self.last_used, self.root = repeat_key, created, last_used, root
         self.sig_sha256 = sig_sha256
+        self.repeats = repeats      # of `hits`, the exact repeats (stats count them apart)
 
     def eviction_key(self) -> tuple:
         return priority(self.corrupt, self.steps_saved, self.last_used)

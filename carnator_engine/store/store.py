@@ -36,7 +36,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from . import index_snapshot
-from .errors import CorruptEntryError, StoreError
+from .errors import CorruptEntryError, StoreError, StoreUnavailable
 from .memory_index import IndexedEntry, MemoryIndex
 from ..plain import json_safe
 from ..signature import EarlySignature
@@ -52,6 +52,7 @@ SIGNATURE_CACHE = 256   # parsed signatures kept in memory (entries never change
 # Changes taken in from the log before the index is snapshotted again: an open replays at most this many
 # (~0.3 ms each), and a snapshot of 100k entries costs well under a second to write.
 SNAPSHOT_EVERY = 2000
+RECONNECT_SECONDS = 5   # a store opened while its medium was unreachable tries again at most this often
 
 
 def _check_size_limit(size_limit_bytes) -> None:
@@ -164,7 +165,7 @@ def _finite(name: str, tensor: torch.Tensor) -> None:
 def _indexed(record: EntryRecord) -> IndexedEntry:
     repeat = record.repeat_key or None
     return IndexedEntry(record.bucket, record.size_bytes, record.hits, record.steps_saved, record.corrupt is not None,
-                        repeat, record.created, record.last_used, record.root, record.sig_sha256)
+                        repeat, record.created, record.last_used, record.root, record.sig_sha256, record.repeats)
 
 
 def _bucket_parts(record: EntryRecord) -> Optional[dict]:
@@ -174,22 +175,67 @@ def _bucket_parts(record: EntryRecord) -> Optional[dict]:
 
 class CarnatorStore:
     def __init__(self, location: str, size_limit_bytes: int = DEFAULT_SIZE_LIMIT, blob_dir: str = ""):
-        """`blob_dir` with a redis:// location: the farm layout (backends/farm.py), trajectories in that folder."""
+        """`blob_dir` with a redis:// location: the farm layout (backends/farm.py), trajectories in that folder.
+        A store whose medium cannot be reached now (StoreUnavailable: its Redis down, its shared folder not mounted)
+        opens all the same: every use until it is reached raises StoreUnavailable (requests are generated in
+        full), and it tries again at most every RECONNECT_SECONDS."""
         _check_size_limit(size_limit_bytes)
-        from .backends import open_backend
-        self._backend = open_backend(location, blob_dir)
-        self.location = self._backend.location
+        from .backends import shown_location
+        self.location = shown_location(location, blob_dir)
         self.size_limit_bytes = int(size_limit_bytes)
         self.problems: list = []
         self._lock = threading.RLock()
         self._signatures: OrderedDict = OrderedDict()
         self.writer = BackgroundWriter(self.report_problem)   # the generations being stored in the background
-        self.orphans_reclaimed, self.orphan_bytes_reclaimed = self._backend.reclaim_orphans()
-        if self.orphans_reclaimed:
-            log.info("carnator: reclaimed %d orphan blob files (%d bytes) in %s", self.orphans_reclaimed,
-                     self.orphan_bytes_reclaimed, self.location)
-        self._open_index()
-        self.enforce_size_limit()
+        self._medium, self._opened, self._retry_at, self._why_unavailable = (location, blob_dir), None, 0.0, ""
+        self._index, self._cursor, self._unsaved = MemoryIndex(), None, 0
+        self.orphans_reclaimed = self.orphan_bytes_reclaimed = 0
+        try:
+            self._open()
+        except StoreUnavailable as error:
+            self._unavailable(error)
+
+    def _open(self) -> None:
+        from .backends import open_backend
+        backend = open_backend(*self._medium)
+        with self._lock:
+            self._opened = backend
+            try:
+                self.location = backend.location
+                self.orphans_reclaimed, self.orphan_bytes_reclaimed = backend.reclaim_orphans()
+                if self.orphans_reclaimed:
+                    log.info("carnator: reclaimed %d orphan blob files (%d bytes) in %s", self.orphans_reclaimed,
+                             self.orphan_bytes_reclaimed, self.location)
+                self._open_index()
+                self.enforce_size_limit()
+            except StoreUnavailable:
+                self._opened = None
+                backend.close()
+                raise
+
+    def _unavailable(self, error: StoreError) -> None:
+        self._retry_at = time.monotonic() + RECONNECT_SECONDS
+        self._why_unavailable = str(error)
+        log.warning("carnator: %s (the store is opened when it can be reached; until then requests are generated "
+                    "in full)", error)
+
+    @property
+    def _backend(self):
+        """The open backend; StoreUnavailable while the medium cannot be reached (tried again at most every
+        RECONNECT_SECONDS)."""
+        opened = self._opened
+        if opened is not None:
+            return opened
+        with self._lock:
+            if self._opened is None:
+                if time.monotonic() < self._retry_at:
+                    raise StoreUnavailable(self._why_unavailable)
+                try:
+                    self._open()
+                except StoreUnavailable as error:
+                    self._unavailable(error)
+                    raise
+            return self._opened
 
     def set_size_limit(self, size_limit_bytes: int) -> list:
         """Applies a new limit at once; returns the ids it evicted."""
@@ -202,9 +248,11 @@ class CarnatorStore:
         backend."""
         self.writer.settle()
         with self._lock:
+            if self._opened is None:
+                return
             if self._unsaved:
                 self._save_snapshot()
-        self._backend.close()
+            self._opened.close()
 
     # ---- the in-memory index ---------------------------------------------------------------------
 
@@ -433,23 +481,28 @@ class CarnatorStore:
             self._rebuild()
             return count
 
-    def _footprint(self) -> int:
-        return self._index.bytes + self._backend.overhead_bytes()
-
     def enforce_size_limit(self, keep: Optional[str] = None) -> list:
-        """Evict least-benefit entries until the entries and the backend's own files fit the limit; returns the
-        evicted ids."""
+        """Keeps the store within its limit; returns the evicted ids. Over it, the backend first frees what needs no
+        eviction (compact: a farm's released blobs); then the least-benefit entries leave while the entries and the
+        backend's lasting files exceed it (transient bytes, which leave or become entries by themselves, never
+        make a live entry leave)."""
         evicted = []
         with self._lock:
             self._sync()
-            if self._footprint() > self.size_limit_bytes:
-                self._backend.compact()
-            while self._footprint() > self.size_limit_bytes:
+            backend = self._backend
+            overhead = backend.overhead_bytes()
+            if self._index.bytes + overhead > self.size_limit_bytes:
+                backend.compact(self._index.bytes + overhead - self.size_limit_bytes)
+                overhead = backend.overhead_bytes()
+            while self._index.bytes + overhead - backend.transient_bytes() > self.size_limit_bytes:
                 victim = self._index.queue.first(skip=keep)
                 if victim is None:
                     break
                 self.delete(victim)
                 evicted.append(victim)
+                overhead = backend.overhead_bytes()
+            if evicted and self._index.bytes + overhead > self.size_limit_bytes:
+                backend.compact(self._index.bytes + overhead - self.size_limit_bytes)   # what they released
         if evicted:
             log.info("carnator: evicted %d entries to stay under %d bytes", len(evicted), self.size_limit_bytes)
         return evicted
@@ -563,6 +616,8 @@ class CarnatorStore:
         return self._backend.part(entry_id, "thumb") or b""
 
     def stats(self) -> dict:
+        """Totals from the in-memory index. `hits` are reuses through the gate; `exact_repeats` (requests answered
+        with an entry's stored result) are counted apart: one definition for the CLI, the routes and the web UI."""
         with self._lock:
             self._sync()
             entries = self._index.entries.values()
@@ -570,7 +625,8 @@ class CarnatorStore:
             held = self._index.bytes
             return {"entries": len(self._index), "corrupt": sum(e.corrupt for e in entries),
                     "bytes": held + overhead, "entry_bytes": held, "overhead_bytes": overhead,
-                    "size_limit_bytes": self.size_limit_bytes, "hits": sum(e.hits for e in entries),
+                    "size_limit_bytes": self.size_limit_bytes, "hits": sum(e.hits - e.repeats for e in entries),
+                    "exact_repeats": sum(e.repeats for e in entries),
                     "steps_saved": sum(e.steps_saved for e in entries), "directory": self.location,
                     "orphans_reclaimed": self.orphans_reclaimed, "index_bytes": self.index_bytes()}
 
@@ -589,6 +645,7 @@ class CarnatorStore:
                 with self._lock:
                     self._forget(entry_id)
                 raise StoreError(f"cache entry {entry_id} was deleted or evicted meanwhile")
+            self._backend.check_present()   # a folder unmounted is a fault, not damage: nothing marked
             raise self._mark_corrupt(entry_id, f"its {kind} data is missing")
         if _sha256(data) != sha:
             raise self._mark_corrupt(entry_id, f"its {kind} data does not match its checksum")

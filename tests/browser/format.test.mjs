@@ -33,7 +33,7 @@ test("entry lines and model label", () => {
   assert.equal(modelLabel({ ...entry, model: "wan2.1_t2v_1.3B" }), "wan2.1_t2v_1.3B");
   assert.deepEqual(entryLines(entry, 1_000_000 * 1000), [
     "bucket 01234567 · 30 steps · 3×8×8 · 2.00 KiB",
-    "1 hit · 12 steps saved · 2 min ago",
+    "1 hit · 0 exact repeats · 12 steps saved · 2 min ago",
   ]);
   const resumed = { ...entry, reused_from: "fedcba9876543210", decision: { reuse: true, resume_step: 5 } };
   assert.equal(entryLines(resumed, 1_000_000 * 1000)[2], "resumed from entry fedcba98 at step 5");
@@ -41,9 +41,12 @@ test("entry lines and model label", () => {
 
 test("stats", () => {
   assert.equal(statsText({ entries: 1, bytes: 1024, size_limit_bytes: 2 ** 30, hits: 0, steps_saved: 0, corrupt: 0 }),
-    "1 entry · 1.00 KiB of 1.00 GiB · 0 hits · 0 steps saved");
+    "1 entry · 1.00 KiB of 1.00 GiB · 0 hits · 0 exact repeats · 0 steps saved");
+  // one definition with the store, the CLI's stats and the routes: exact repeats are counted apart from hits
+  assert.equal(statsText({ entries: 1, bytes: 0, size_limit_bytes: 0, hits: 2, exact_repeats: 1, steps_saved: 9 }),
+    "1 entry · 0 B of 0 B · 2 hits · 1 exact repeat · 9 steps saved");
   assert.match(statsText({ entries: 2, bytes: 0, size_limit_bytes: 0, hits: 3, steps_saved: 9, corrupt: 1 }),
-    /2 entries .* 3 hits · 9 steps saved · 1 corrupt$/);
+    /2 entries .* 3 hits · 0 exact repeats · 9 steps saved · 1 corrupt$/);
 });
 
 test("decision badge and lines", () => {
@@ -61,6 +64,16 @@ test("decision badge and lines", () => {
     expected_speedup: 1, reasons: ["no earlier generation"] };
   assert.equal(decisionBadge(miss).text, "MISS · 30 steps");
   assert.equal(decisionLines(miss)[0], "MISS: full run of 30 steps · risk safe");
+  // the deciding reason comes right under the verdict, as the node's own text gives it (summary "why")
+  const refused = { ...miss, steps: 4, why: "nearest entry 0123456789abcdef rejected; resuming at step 2 of 4 would "
+    + "save fewer than 2 model calls after a 1-step probe: reuse cannot pay here" };
+  assert.deepEqual(decisionLines(refused).slice(0, 2), ["MISS: full run of 4 steps · risk safe", `why: ${refused.why}`]);
+  assert.equal(savedDecision(refused).why, refused.why);       // still shown after a page reload
+  // a write still under way is "being stored"; one that failed names no entry (its warning says why)
+  assert.ok(decisionLines({ ...miss, stored_as: "0123456789abcdef", store_pending: true })
+    .includes("being stored as 0123456789abcdef"));
+  assert.ok(decisionLines({ ...miss, stored_as: "0123456789abcdef", store_pending: false })
+    .includes("stored as 0123456789abcdef"));
   // a store fault that made the request a full generation shows on the node, before the gate's reasons
   const faulted = { ...miss, warnings: ["reading entry 0123456789abcdef failed: this request is generated in full"] };
   assert.deepEqual(decisionLines(faulted).slice(-2),

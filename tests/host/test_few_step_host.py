@@ -10,7 +10,7 @@ import torch
 
 import hostsetup
 from conftest import CallCounter
-from test_comfyui_host import node, nudged, open_cache, sample, store_state
+from test_comfyui_host import node, nudged, open_cache, sample, sampler_output, store_state
 from test_two_experts import experts, two_expert_sample  # noqa: F401  (experts: the pair's fixture)
 
 STEPS, CFG, AUTO_PROBE, SEED = 4, 1.0, 0, 42
@@ -24,6 +24,13 @@ def with_lora(comfy, host_dirs, model, strength):
 def four_steps(comfy, model, cache, positive, negative, latent, **kwargs):
     kwargs = {"steps": STEPS, "cfg": CFG, "probe_steps": AUTO_PROBE, "seed": SEED, **kwargs}
     return sample(comfy, model, cache, positive, negative, latent, **kwargs)
+
+
+def shown(comfy, model, cache, positive, negative, latent, **kwargs) -> tuple:
+    """(summary, the text the Carnator Sampler node shows on itself) of a 4-step request."""
+    kwargs = {"steps": STEPS, "cfg": CFG, "probe_steps": AUTO_PROBE, "seed": SEED, **kwargs}
+    out = sampler_output(comfy, model, cache, positive, negative, latent, **kwargs)
+    return json.loads(out.result[1]), hostsetup.shown_text(out)
 
 
 def test_a_4_step_lora_run_misses_hits_repeats_and_a_strength_change_is_a_new_bucket(comfy, plugin, tiny_model,
@@ -47,10 +54,16 @@ def test_a_4_step_lora_run_misses_hits_repeats_and_a_strength_change_is_a_new_bu
     _, repeat = four_steps(comfy, full.model, cache, positive, negative, latent)
     assert repeat["exact_repeat"] and full.take() == 0
 
+    refused, text = shown(comfy, full.model, cache, nudged(positive, 1.002), negative, latent, risk="safe")
+    assert not refused["reuse"] and full.take() == STEPS       # safe resumes at step 2 at most: nothing to save
+    assert refused["why"].endswith("reuse cannot pay here"), refused["reasons"]
+    assert text.startswith("Carnator MISS (safe)") and "reuse cannot pay here" in text, text   # on the node too
+
     half = CallCounter(with_lora(comfy, host_dirs, tiny_model, 0.5))
-    _, other = four_steps(comfy, half.model, cache, nudged(positive), negative, latent)
+    other, text = shown(comfy, half.model, cache, nudged(positive), negative, latent)
     assert not other["reuse"] and half.take() == STEPS
-    assert any("model" in reason for reason in other["reasons"]), other["reasons"]
+    assert "differs in model/patches (weights, LoRAs or their strengths)" in other["why"], other["reasons"]
+    assert text.startswith("Carnator MISS") and "LoRAs or their strengths" in text, text
     buckets = {cache.record(e).bucket for e in (miss["stored_as"], other["stored_as"])}
     assert len(buckets) == 2                                                   # its own bucket, never the other's
 

@@ -16,7 +16,8 @@ import torch
 
 import hostsetup
 from conftest import CallCounter
-from test_comfyui_host import CFG, PROBE, SEED, STEPS, node, nudged, open_cache, sample, store_state
+from test_comfyui_host import (CFG, PROBE, SEED, STEPS, node, nudged, open_cache, sample, sampler_output,
+                               store_state)
 
 LORA_KEY = "diffusion_model.blocks.0.self_attn.q.weight"
 
@@ -110,6 +111,21 @@ def test_never_a_repeat_or_hit_across_options_and_the_same_options_repeat(comfy,
         assert summary["reuse"] and summary["entry_id"] == entries[combo], (combo, summary["reasons"])
 
 
+def test_the_node_names_each_option_in_a_creators_words(comfy, plugin, tiny_model, conds, latent, tmp_path):
+    """A request whose model carries another option than the cached generation's misses, and its node text says
+    which option in words a creator knows (the node it came from, its setting), never a Python qualified name."""
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    sample(comfy, tiny_model, cache, positive, negative, latent)
+    for combo, words in ((("sd3_shift",), "model sampling patch (from ModelSamplingSD3, shift=5)"),
+                         (("wrapper",), "another node's wrapper on the diffusion model (from ScaleOutputNode)"),
+                         (("lora",), "differs in model/patches (weights, LoRAs or their strengths)")):
+        out = sampler_output(comfy, build(comfy, tiny_model, combo), cache, positive, negative, latent)
+        text, summary_json = hostsetup.shown_text(out), out.result[1]
+        assert text.startswith("Carnator MISS") and words in text, text
+        assert "<locals>" not in text + summary_json and ".patch." not in text + summary_json, text
+
+
 def run_ksampler(model, conds, latent, steps=STEPS):
     import comfy.sample
     positive, negative = conds
@@ -196,7 +212,7 @@ def test_an_option_carnator_cannot_read_makes_a_plain_generation(comfy, plugin, 
     model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, "third_party", wrapper)
     unreadable = easycache(comfy, tiny_model)
     unreadable.model_options["transformer_options"]["easycache"].reuse_threshold = torch.tensor(3.0)  # runs in it
-    for bad, named in ((model, "closure opaque) (a test_model_options.Opaque object"),
+    for bad, named in ((model, "closure opaque) (an object of type Opaque"),
                        (unreadable, "EasyCache reuse_threshold=tensor(3.) is not a number Carnator can read")):
         counter = CallCounter(bad)
         for _ in range(2):    # the same request twice: no repeat either

@@ -10,7 +10,8 @@ import hostsetup
 from workflowcheck import FRONTEND_ONLY, check_workflow
 
 WORKFLOW = hostsetup.REPO / "workflows" / "carnator_wan21_t2v.json"
-MODEL_FILES = {"unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name", "ckpt_name", "lora_name"}   # names of files the user downloads
+MODEL_FILES = {"unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name", "ckpt_name", "lora_name",
+               "image"}   # names of files the user downloads or brings (LoadImage's start image)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ def test_one_workflow_per_backbone_and_a_staged_chain():
     assert WORKFLOWS == ["carnator_hunyuan_video_t2v.json", "carnator_ltxv_t2v.json",
                          "carnator_staged_chain_wan21.json", "carnator_wan21_4step_lora_t2v.json",
                          "carnator_wan21_t2v.json", "carnator_wan22_5b_t2v.json",
-                         "carnator_wan22_a14b_4step_lora_t2v.json", "carnator_wan22_a14b_t2v.json"]
+                         "carnator_wan22_a14b_4step_lora_t2v.json", "carnator_wan22_a14b_t2v.json",
+                         "carnator_wan22_i2v_a14b.json"]
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)
@@ -89,3 +91,20 @@ def test_every_workflow_fits_the_host_and_our_nodes(comfy, plugin, name):
     classes = comfy.NODE_CLASS_MAPPINGS
     assert {n["type"] for n in shipped["nodes"]} - set(classes) - FRONTEND_ONLY == set()
     assert check_workflow(shipped, classes, check_combos=lambda node_type, widget: widget not in MODEL_FILES) == []
+
+
+def test_image_to_video_workflow_feeds_the_start_image_through_wan_image_to_video(comfy, plugin):
+    shipped = json.loads((hostsetup.REPO / "workflows" / "carnator_wan22_i2v_a14b.json").read_text())
+    by_id = {n["id"]: n for n in shipped["nodes"]}
+    links = {link[0]: link for link in shipped["links"]}
+
+    def source(node, name):
+        slot = next(i for i in node["inputs"] if i["name"] == name)
+        link = links[slot["link"]]
+        return by_id[link[1]]["type"], link[2]
+    sampler = next(n for n in shipped["nodes"] if n["type"] == "CarnatorSampler")
+    i2v = next(n for n in shipped["nodes"] if n["type"] == "WanImageToVideo")
+    assert [source(sampler, name) for name in ("positive", "negative", "latent_image")] == [
+        ("WanImageToVideo", 0), ("WanImageToVideo", 1), ("WanImageToVideo", 2)]
+    assert source(i2v, "start_image") == ("LoadImage", 0) and source(i2v, "vae") == ("VAELoader", 0)
+    assert source(sampler, "model")[0] == source(sampler, "low_noise_model")[0] == "ModelSamplingSD3"

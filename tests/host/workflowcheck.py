@@ -33,6 +33,8 @@ def widget_slots(node_class):
         slots.append((name, kind, options))
         if kind == "INT" and (options.get("control_after_generate") or name in ("seed", "noise_seed")):
             slots.append((name + " control_after_generate", "CONTROL", {}))
+        if options.get("image_upload"):      # the frontend's upload button (LoadImage) saves its own value
+            slots.append((name + " upload", "UPLOAD", {}))
     return slots
 
 
@@ -86,6 +88,8 @@ def check_workflow(workflow: dict, classes: dict, check_combos=lambda node_type,
         for (name, kind, options), value in zip(slots, values):
             if kind == "CONTROL":
                 ok = value in SEED_CONTROLS
+            elif kind == "UPLOAD":
+                ok = value == "image"
             elif isinstance(kind, (list, tuple)) or kind == "COMBO":
                 choices = kind if isinstance(kind, (list, tuple)) else options.get("options", [])
                 ok = not check_combos(node_type, name) or value in choices

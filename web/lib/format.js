@@ -43,12 +43,20 @@ export function modelLabel(entry) {
   return entry.bucket ? `bucket ${String(entry.bucket).slice(0, 8)}` : "unknown model";
 }
 
+/** Reuses through the gate and exact repeats (answered with a stored result), counted apart as the store, the
+ * command line's `stats` and the routes count them. */
+export function hitsText(counts) {
+  const hits = Number(counts.hits) || 0;
+  const repeats = Number(counts.exact_repeats) || 0;
+  return `${hits} ${hits === 1 ? "hit" : "hits"} · ${repeats} exact ${repeats === 1 ? "repeat" : "repeats"}`;
+}
+
 export function statsText(stats) {
   if (!stats) return "";
   const parts = [
     `${stats.entries} ${stats.entries === 1 ? "entry" : "entries"}`,
     `${formatBytes(stats.bytes)} of ${formatBytes(stats.size_limit_bytes)}`,
-    `${stats.hits} ${stats.hits === 1 ? "hit" : "hits"}`,
+    hitsText(stats),
     `${stats.steps_saved} steps saved`,
   ];
   if (stats.corrupt) parts.push(`${stats.corrupt} corrupt`);
@@ -61,7 +69,7 @@ export function entryLines(entry, nowMs = Date.now()) {
     ? ` · ${entry.latent_shape.slice(2).join("×")}` : "";
   const lines = [
     `${modelLabel(entry)} · ${entry.steps} steps${shape} · ${formatBytes(entry.size_bytes)}`,
-    `${entry.hits} ${entry.hits === 1 ? "hit" : "hits"} · ${entry.steps_saved} steps saved · ${formatAge(entry.created, nowMs)}`,
+    `${hitsText(entry)} · ${entry.steps_saved} steps saved · ${formatAge(entry.created, nowMs)}`,
   ];
   if (entry.reused_from) {
     const step = entry.decision && Number.isFinite(Number(entry.decision.resume_step))
@@ -113,7 +121,7 @@ export function decisionBadge(decision) {
 // survives a page reload): what decisionBadge and decisionLines read, nothing else.
 const SAVED_DECISION_KEYS = ["node", "reuse", "exact_repeat", "error", "risk", "steps", "probe_steps", "resume_step",
   "refine_step", "model_calls", "steps_run", "step_cache", "step_cache_skipped", "expected_speedup", "entry_id",
-  "stored_as", "warnings", "reasons"];
+  "stored_as", "store_pending", "warnings", "reasons", "why"];
 
 export function savedDecision(decision) {
   const saved = {};
@@ -134,13 +142,15 @@ export function decisionLines(decision) {
     if (decision.entry_id) lines.push(`reused entry ${decision.entry_id}`);
   } else {
     lines.push(`MISS: full run of ${decision.steps} steps${risk}`);
+    // what decided it (the node's own text says the same): the input or node that differs, a limit, a refusal
+    if (decision.why) lines.push(`why: ${decision.why}`);
   }
   const calls = costText(decision)
     || (Number.isFinite(Number(decision.model_calls)) ? `${decision.model_calls} model calls` : "");
   const probe = Number.isFinite(Number(decision.probe_steps)) ? `probe ${decision.probe_steps} steps` : "";
   const speedup = decision.exact_repeat ? "" : `expected ${formatSpeedup(decision.expected_speedup)}`;
   lines.push([probe, calls, speedup].filter(Boolean).join(" · "));
-  if (decision.stored_as) lines.push(`stored as ${decision.stored_as}`);
+  if (decision.stored_as) lines.push(`${decision.store_pending ? "being stored" : "stored"} as ${decision.stored_as}`);
   for (const warning of decision.warnings || []) lines.push(`warning: ${warning}`);
   for (const reason of decision.reasons || []) lines.push(`• ${reason}`);
   return lines;

@@ -12,9 +12,13 @@ change log so every process sharing the store can keep its in-memory index curre
   that far (the caller rebuilds); `cursor()` the current position;
 - `load_snapshot()` (bytes or None), `save_snapshot(data)`: the index snapshot (index_snapshot.py), one value
   replaced whole; `identity`: a token made when the store was created, which a snapshot names;
-- `clear()`, `overhead_bytes()` (what the store takes beyond its entries' bytes), `reclaim_orphans()` ->
-  (count, bytes), `close()`; `location`: where it lives, safe to show (no password).
-Every failure of the medium is raised as StoreError naming the location and what to do.
+- `clear()`, `overhead_bytes()` (what the store takes beyond its entries' bytes; the size limit counts it),
+  `transient_bytes()` (the part of it that leaves, or becomes entries, without an eviction: never a reason to
+  evict), `compact(excess)` (frees up to `excess` bytes without evicting), `reclaim_orphans()` -> (count, bytes),
+  `check_present()` (StoreUnavailable when a part may be missing for want of the medium, not by damage: a folder
+  unmounted), `close()`; `location`: where it lives, safe to show (no password).
+Every failure of the medium is raised as StoreError naming the location and what to do; StoreUnavailable (one
+kind of it) when the medium cannot be reached now but the store exists (the store then serves full generations).
 
 Two backends, one file each: `disk` (diskcache + blob files, the default, no server) and `redis_store`; and the
 farm layout `farm` (Redis for the index and metadata, trajectories in a shared `blob_folder`), which composes them.
@@ -48,6 +52,19 @@ def holds_store(location: str) -> bool:
     refuse_other_urls(location)
     from ..marker import is_marked
     return is_marked(location)
+
+
+def shown_location(location: str, blob_dir: str = "") -> str:
+    """Where a store lives, as its backend's `location` says it (no password), found without opening it."""
+    if not is_redis_url(location):
+        from ..marker import check_location
+        return check_location(location)
+    from .redis_store import shown_url
+    if not blob_dir:
+        return shown_url(location)
+    from .farm import LOCATION_JOIN
+    from ..marker import check_location
+    return f"{shown_url(location)}{LOCATION_JOIN}{check_location(blob_dir.strip())}"
 
 
 def open_backend(location: str, blob_dir: str = ""):

@@ -19,12 +19,12 @@ import re
 import shutil
 import sqlite3
 import time
-import uuid
 
 import diskcache
 
-from ..errors import StoreError
+from ..errors import StoreError, StoreUnavailable
 from ..marker import MARKER_FILE, check_location, claim
+from ..owned_files import owner, strip, write_whole
 
 LOG_KEEP = 100_000          # change-log records kept; a reader further behind rebuilds its index
 ORPHAN_GRACE_SECONDS = 600  # a blob without metadata younger than this may be another process's write in flight
@@ -86,7 +86,7 @@ class DiskBackend:
                              "another cache path")
         # Writing the marker is a new store's write test; an existing one opens without writing (on a full disk its
         # lookups still work, and deletes free space).
-        marked = claim(directory)
+        marked = self._owner = claim(directory)
         if not os.path.isdir(self.blob_dir):
             try:
                 os.makedirs(self.blob_dir, exist_ok=True)
@@ -157,30 +157,9 @@ class DiskBackend:
         self._cache.set(f"l:{seq}", f"{op} {entry_id}")
         self._cache.delete(f"l:{seq - LOG_KEEP}")
 
-    @staticmethod
-    def _write_file(final: str, data: bytes, shared_name: bool = False) -> None:
-        """Whole or not at all: a temporary file, fsynced, renamed into place, its directory fsynced. A failure
-        removes what it wrote; a `shared_name` (farm.py's content-hash names) only the temporary: the final name
-        may be another entry's file of the same bytes."""
-        temporary = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            with open(temporary, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, final)
-            descriptor = os.open(os.path.dirname(final), os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
-        except BaseException:
-            for path in (temporary,) if shared_name else (temporary, final):
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass
-            raise
+    def _write_file(self, final: str, data: bytes) -> None:
+        """Whole or not at all, after the header that proves the file is this store's (owned_files.py)."""
+        write_whole(final, data, self._owner)
 
     def _write_blob(self, entry_id: str, blob: bytes) -> None:
         self._write_file(self._blob_path(entry_id), blob)
@@ -267,7 +246,7 @@ class DiskBackend:
     def _blob(self, entry_id: str):
         try:
             with open(self._blob_path(entry_id), "rb") as handle:
-                return handle.read()
+                return strip(handle.read())
         except (FileNotFoundError, IsADirectoryError):
             return None    # missing: the store marks the entry corrupt when its metadata still lists it
         except OSError as error:
@@ -361,7 +340,17 @@ class DiskBackend:
                 pass
         return total + sum(self._pending_orphans.values())
 
-    def compact(self) -> None:
+    def transient_bytes(self) -> int:
+        return 0   # orphans in their grace period stay until a sweep: the limit makes room for them
+
+    def check_present(self) -> None:
+        """StoreUnavailable when the folder lost its marker (a drive unmounted under a running store): a blob
+        missing then is the folder's absence, not damage."""
+        if not os.path.isfile(os.path.join(self.location, MARKER_FILE)):
+            raise StoreUnavailable(f"Carnator cache {self.location!r} has lost its marker {MARKER_FILE} (is its "
+                                   "drive mounted?): requests are generated in full until it is back")
+
+    def compact(self, excess: int = 0) -> None:
         """What frees space without evicting, when the store is over its limit: orphans past their grace period
         reclaimed, the WAL moved into cache.db and truncated."""
         if self._pending_orphans:
@@ -378,7 +367,8 @@ class DiskBackend:
         """Blob files no metadata refers to (a crash between a blob's write and its commit, or between a delete's
         commit and its unlink), and temporary files of interrupted writes, older than the grace period; younger
         ones are counted in overhead_bytes until a later sweep takes them. Only regular files under Carnator's own
-        names (BLOB_NAME, the temporaries) in this marked store are ever removed: anything else is left alone.
+        names (BLOB_NAME, the temporaries) whose header names this store (owned_files.py) are ever removed:
+        anything else is left alone, whatever its name or age.
         Which ids have metadata is one scan of the keys (0.15 s at 100k entries), not a read per blob (2.5 s at
         every open, page cache warm); a blob that looks orphaned is checked by its own key once more, since
         another process may have committed its entry after the scan."""
@@ -401,6 +391,8 @@ class DiskBackend:
                 stat = item.stat(follow_symlinks=False)
                 if entry_id is not None and self.meta(entry_id) is not None:
                     continue
+                if owner(item.path) != self._owner:
+                    continue   # a name is no proof: only a file whose header names this store is ours
                 if stat.st_mtime > cutoff:
                     pending[item.path] = stat.st_size  # maybe a write in flight: counted, not yet removed
                     continue
@@ -417,7 +409,7 @@ class DiskBackend:
         def work():
             try:
                 with open(os.path.join(self.location, SNAPSHOT_FILE), "rb") as handle:
-                    return handle.read()
+                    return strip(handle.read())
             except FileNotFoundError:
                 return None
         return self._guard("read its index snapshot", work)

@@ -19,7 +19,7 @@ import os
 import urllib.parse
 import uuid
 
-from ..errors import StoreError
+from ..errors import StoreError, StoreUnavailable
 
 PASSWORD_VARIABLE = "CARNATOR_REDIS_PASSWORD"
 PREFIX = "carnator:"
@@ -58,7 +58,8 @@ BLOB_FOLDER_KEY = PREFIX + "blob_folder"   # the farm layout's (farm.py): the id
 class RedisBackend:
     """farm.py composes this backend: its connection, its error translation and its queue_* transaction parts."""
 
-    def __init__(self, url: str, blob_folder: str = ""):
+    def __init__(self, url: str, blob_folder=""):
+        """`blob_folder` None: connect only (farm.py establishes the store's identity and binding itself)."""
         try:
             import redis
         except ImportError:
@@ -74,12 +75,34 @@ class RedisBackend:
             raise StoreError(self._scrub(f"Carnator cache URL {self.location!r} is not valid ({error}): write it "
                                          "as redis://[:password@]host:port/db or rediss:// for TLS")) from None
         self._guard("connect", self._client.ping)
+        self.identity = None
+        if blob_folder is not None:
+            self.identity = self.establish(self.stored_identity() or uuid.uuid4().hex)
+            self._bind(blob_folder)
+
+    def stored_identity(self):
+        """The store's identity as Redis holds it; None in a new database (or one that lost its data)."""
         identity = self._guard("connect", lambda: self._client.get(PREFIX + "store"))
-        if identity is None:   # a new store (a write only then: an existing one opens over maxmemory too)
-            self._guard("connect", lambda: self._client.set(PREFIX + "store", uuid.uuid4().hex, nx=True))
-            identity = self._guard("connect", lambda: self._client.get(PREFIX + "store"))
-        self.identity = identity.decode()
-        self._bind(blob_folder)
+        return identity.decode() if identity is not None else None
+
+    def establish(self, identity: str) -> str:
+        """The store's identity: the one Redis holds, else `identity` (a write only then: an existing store opens
+        over maxmemory too)."""
+        if self.stored_identity() is None:
+            self._guard("connect", lambda: self._client.set(PREFIX + "store", identity, nx=True))
+        return self.stored_identity()
+
+    def bound_folder(self):
+        """The identity of the blob folder the store is bound to ("" none, the Redis-only layout)."""
+        bound = self._guard("connect", lambda: self._client.get(BLOB_FOLDER_KEY))
+        return bound.decode() if bound is not None else ""
+
+    def check_present(self) -> None:
+        """StoreError when an entry's part may be missing for want of the medium rather than by damage: this
+        Redis-only store's database became a farm's (its trajectories are in a folder, not here)."""
+        if self.bound_folder():
+            raise StoreUnavailable(f"Carnator cache {self.location!r} is a farm's now (its trajectories are in a "
+                                   "shared blob folder): give blob_dir")
 
     def _bind(self, blob_folder: str) -> None:
         """A store is Redis-only or a farm's (its trajectories in the blob folder of identity `blob_folder`), for
@@ -140,7 +163,9 @@ class RedisBackend:
             else:
                 message = f"the server refused ({text})"
         except (errors.ConnectionError, errors.TimeoutError) as error:
-            message = f"the server cannot be reached ({error}): start redis-server or fix the URL"
+            raise StoreUnavailable(self._scrub(f"Carnator cache {self.location!r} could not {action}: the server "
+                                              f"cannot be reached ({error}): start redis-server or fix the URL")) \
+                from None
         except errors.RedisError as error:
             message = f"the server failed ({error})"
         raise StoreError(self._scrub(f"Carnator cache {self.location!r} could not {action}: {message}")) from None
@@ -227,11 +252,13 @@ class RedisBackend:
         return [i.decode() for i in self._guard("list its entries", lambda: self._client.smembers(PREFIX + "ids"))]
 
     def queue_clear(self, pipe, ids: list) -> None:
-        """The deletions of every entry of `ids` (for freeing)."""
+        """The deletions of every entry of `ids` (for freeing). Only those: an entry another worker commits after
+        the listing stays whole and listed (deleting the whole id set would leave its keys where nothing lists,
+        evicts or counts them)."""
         for start in range(0, len(ids), BATCH):
             chunk = ids[start:start + BATCH]
             pipe.delete(*[self._key(kind, e) for kind in "msbt" for e in chunk])
-        pipe.delete(PREFIX + "ids")
+            pipe.srem(PREFIX + "ids", *chunk)
 
     def clear(self) -> None:
         ids = self.entry_ids()
@@ -301,7 +328,10 @@ class RedisBackend:
     def overhead_bytes(self) -> int:
         return 0   # the server's own memory is its administrator's (maxmemory), not part of the entries' limit
 
-    def compact(self) -> None:
+    def transient_bytes(self) -> int:
+        return 0
+
+    def compact(self, excess: int) -> None:
         return None
 
     def reclaim_orphans(self) -> tuple:

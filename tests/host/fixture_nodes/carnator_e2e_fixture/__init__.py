@@ -8,7 +8,10 @@ Carnator's nodes read the prompt label from the `text` input of the node feeding
 CLIPTextEncode.
 
 Nor is a real VAE: E2EPlaceholderVAE feeds nodes that require a VAE input but leave it unused (Wan 2.2's
-Wan22ImageToVideoLatent without a start image); anything that does use it fails at once.
+Wan22ImageToVideoLatent without a start image); anything that does use it fails at once. E2EPixelVAE encodes
+(only): it pools the pixels to the Wan VAEs' latent grid (4 frames per latent frame after the first, 8x8 pixels per
+latent cell for Wan 2.1's 16 channels, 16x16 for Wan 2.2's 48) and projects the colours with a fixed random matrix,
+so that the image-to-video nodes (WanImageToVideo, Wan22ImageToVideoLatent) get a latent that depends on the image.
 """
 import hashlib
 
@@ -56,6 +59,42 @@ class E2EPlaceholderVAE:
         return (_WeightlessVAE(),)
 
 
-NODE_CLASS_MAPPINGS = {"E2ETextConditioning": E2ETextConditioning, "E2EPlaceholderVAE": E2EPlaceholderVAE}
+class PixelPoolVAE:
+    """encode(pixels [frames, H, W, 3] in [0, 1]) -> [1, channels, (frames - 1) // 4 + 1, H / cell, W / cell], as
+    the Wan VAEs shape it; the values are a fixed function of the pixels, not a trained encoding."""
+
+    def __init__(self, channels: int = 16):
+        self.channels = channels
+        self.cell = 8 if channels == 16 else 16
+        self.projection = torch.randn(3, channels, generator=torch.Generator().manual_seed(channels))
+
+    def encode(self, pixels):
+        pixels = pixels[..., :3].to(torch.float32) * 2.0 - 1.0
+        frames = [pixels[:1]] + [pixels[i:i + 4] for i in range(1, pixels.shape[0], 4)]
+        pooled = torch.stack([f.mean(dim=0) for f in frames])                       # [F', H, W, 3]
+        pooled = torch.nn.functional.avg_pool2d(pooled.movedim(-1, 1), self.cell)  # [F', 3, h, w]
+        latent = torch.einsum("fchw,cd->dfhw", pooled, self.projection)
+        return latent.unsqueeze(0)
+
+    def decode(self, samples):
+        raise RuntimeError("E2EPixelVAE only encodes: save the latent instead of decoding it")
+
+
+class E2EPixelVAE:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"channels": ([16, 48], {"default": 16})}}
+
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "load"
+    CATEGORY = "testing"
+
+    def load(self, channels):
+        return (PixelPoolVAE(int(channels)),)
+
+
+NODE_CLASS_MAPPINGS = {"E2ETextConditioning": E2ETextConditioning, "E2EPlaceholderVAE": E2EPlaceholderVAE,
+                       "E2EPixelVAE": E2EPixelVAE}
 NODE_DISPLAY_NAME_MAPPINGS = {"E2ETextConditioning": "E2E Text Conditioning (test fixture)",
-                              "E2EPlaceholderVAE": "E2E Placeholder VAE (test fixture)"}
+                              "E2EPlaceholderVAE": "E2E Placeholder VAE (test fixture)",
+                              "E2EPixelVAE": "E2E Pixel VAE (test fixture)"}

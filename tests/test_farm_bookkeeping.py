@@ -1,0 +1,340 @@
+"""The farm layout keeps what it holds: its own bookkeeping (eviction, garbage collection, clear, an open) never
+destroys a live entry or someone else's file, on a real Redis and a real folder (a real tmpfs or bind mount where
+this machine lets the test mount one), with forked workers where two workers matter: an open never evicts for
+files that wait for collection, the folder stays within its limit for every worker, a second farm is refused, a
+dropped mount is a fault (nothing marked corrupt, nothing written into the mount point), a full disk gets its
+released files back, a lost Redis neither locks workers out nor costs a file, an unreachable Redis opens a store
+that generates in full and reconnects, clear() racing writers leaves nothing unreachable, and files named like
+Carnator's are kept unless their content proves they are its own."""
+import errno
+import json
+import multiprocessing
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from carnator_engine.euler import TinyDiTRunner
+from carnator_engine.pipeline import CarnatorConfig, generate
+from carnator_engine.schedule import flow_sigmas
+from carnator_engine.store import CarnatorStore, StoreError
+from carnator_engine.store import store as store_module
+from carnator_engine.store.backends import farm
+from carnator_engine.store.errors import StoreUnavailable
+from carnator_engine.store.marker import MARKER_FILE
+from carnator_engine.store.owned_files import header
+from test_farm_backend import _put
+
+FORK = multiprocessing.get_context("fork")
+ENTRY = 600_000                      # float16 elements: a 1.2 MB trajectory
+OLD = time.time() - 7 * 24 * 3600    # a week ago: past every grace period
+
+
+def _folder_bytes(blobs) -> int:
+    return sum(os.path.getsize(os.path.join(blobs, n)) for n in os.listdir(blobs) if n.endswith(".blob"))
+
+
+def _in_child(target, *args):
+    """Runs target(*args) in a forked worker process; what it returned."""
+    answers = FORK.Queue()
+
+    def run():
+        torch.set_num_threads(1)   # an OpenMP pool the parent started hangs a forked child that uses it
+        answers.put(target(*args))
+    process = FORK.Process(target=run)
+    process.start()
+    answer = answers.get(timeout=120)
+    process.join(timeout=60)
+    assert process.exitcode == 0
+    return answer
+
+
+def _fill(url: str, blobs: str, limit: int, count: int) -> list:
+    """A worker that writes `count` 1.2 MB entries into a farm of `limit` bytes; the ids still stored after."""
+    store = CarnatorStore(url, limit, blob_dir=blobs)
+    for seed in range(count):
+        _put(store, seed, elems=ENTRY)
+    kept = sorted(r.entry_id for r in store.records())
+    store.close()
+    return kept
+
+
+def test_an_open_never_evicts_live_entries_for_files_waiting_for_collection(redis_server, tmp_path):
+    blobs, limit = str(tmp_path / "blobs"), 20 << 20
+    live = _in_child(_fill, redis_server.url, blobs, limit, 40)            # worker A: 40 x 1.2 MB into 20 MiB
+    assert 10 <= len(live) <= 17
+    second = CarnatorStore(redis_server.url, limit, blob_dir=blobs)         # worker B opens
+    assert sorted(r.entry_id for r in second.records()) == live             # nothing evicted at its open
+    _put(second, 1000, elems=ENTRY)
+    assert len(set(live) - {r.entry_id for r in second.records()}) <= 1     # one put makes room for one entry
+    second.close()
+
+
+def test_the_folder_stays_within_the_limit_for_every_worker(redis_server, tmp_path):
+    blobs, limit = str(tmp_path / "blobs"), 20 << 20
+    watching = CarnatorStore(redis_server.url, limit, blob_dir=blobs)       # a worker open all along
+    _in_child(_fill, redis_server.url, blobs, limit, 40)
+    on_disk = _folder_bytes(blobs)
+    assert on_disk <= limit + 1.3e6, on_disk                                # the limit and one entry, at most
+    stats = watching.stats()
+    assert abs(stats["bytes"] - on_disk) <= 0.1 * on_disk                   # what it counts is what is there
+    watching.close()
+
+
+def test_a_second_farm_on_the_same_folder_is_refused_and_touches_nothing(redis_server, tmp_path):
+    import redis
+    blobs = str(tmp_path / "blobs")
+    first = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    entries = [_put(first, seed) for seed in range(4)]
+    before = {n: os.path.getmtime(os.path.join(blobs, n)) for n in os.listdir(blobs)}
+    other_db = redis_server.url[:-1] + "1"                                  # an empty database of the server
+    with pytest.raises(StoreError, match="belongs to the farm whose Redis is .*give each farm a folder of its own") \
+            as caught:
+        CarnatorStore(other_db, 64 << 20, blob_dir=blobs)
+    assert "\n" not in str(caught.value)
+    redis.Redis.from_url(redis_server.url[:-1] + "2").set("carnator:store", "f" * 32)   # another farm's Redis
+    with pytest.raises(StoreError, match="belongs to another farm"):
+        CarnatorStore(redis_server.url[:-1] + "2", 64 << 20, blob_dir=blobs)
+    assert {n: os.path.getmtime(os.path.join(blobs, n)) for n in os.listdir(blobs)} == before
+    for entry in entries:
+        assert first.trajectory(first.record(entry)).checkpoints
+    assert first.drain_problems() == []
+    first.close()
+
+
+def _mount(source, target) -> bool:
+    """Bind-mounts `source` at `target` where this machine allows it (root, no container veto)."""
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True).returncode == 0
+
+
+def _unmount(target, mounted: bool, source) -> None:
+    """The folder gone from `target`, as an unmounted share leaves it: the empty mount point."""
+    if mounted:
+        subprocess.run(["umount", str(target)], check=True)
+    else:
+        os.rename(target, str(source) + ".away")
+        os.mkdir(target)
+
+
+def _remount(target, mounted: bool, source) -> None:
+    if mounted:
+        assert _mount(source, target)
+    else:
+        os.rmdir(target)
+        os.rename(str(source) + ".away", target)
+
+
+def test_a_dropped_mount_is_a_fault_never_damage_and_nothing_is_written_into_the_mount_point(redis_server, tmp_path,
+                                                                                             tiny_model):
+    share, blobs = tmp_path / "share", tmp_path / "mnt"
+    share.mkdir()
+    blobs.mkdir()
+    mounted = _mount(share, blobs)
+    try:
+        store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))
+        entries = [_put(store, seed) for seed in range(4)]
+        _unmount(blobs, mounted, share)
+        for entry in entries:
+            with pytest.raises(StoreUnavailable, match="mounted"):
+                store.trajectory(store.record(entry))
+        with pytest.raises(StoreUnavailable, match="mounted"):
+            _put(store, 9)
+        during = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))   # a worker started meanwhile
+        runner, sigmas = TinyDiTRunner(tiny_model, "a red circle"), flow_sigmas(12)
+        noise = torch.randn(1, 3, 8, 32, 32, generator=torch.Generator().manual_seed(3))
+        result = generate(runner, noise, sigmas, during, CarnatorConfig(probe_steps=2))
+        assert result.model_calls == 12 and any("mounted" in w for w in result.warnings)
+        assert os.listdir(blobs) == []                                     # no marker, no blob in the mount point
+        _remount(blobs, mounted, share)
+        assert all(not r.corrupt for r in store.records(include_corrupt=True))
+        for entry in entries:
+            assert store.trajectory(store.record(entry)).checkpoints
+        store.close()
+        during.close()
+    finally:
+        if mounted:   # still mounted, or unmounted by the test already (then this fails, harmlessly)
+            subprocess.run(["umount", str(blobs)], capture_output=True)
+
+
+def _tmpfs(path, size: str) -> bool:
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_full_folder_gets_the_space_of_released_blobs_back_at_once(redis_server, tmp_path, monkeypatch):
+    blobs = tmp_path / "blobs"
+    mounted = _tmpfs(blobs, "4m")
+    try:
+        if not mounted:   # no tmpfs here: a disk of 4 MiB, as the folder's bytes say
+            from carnator_engine.store import owned_files
+            real_fsync = os.fsync
+
+            def fsync(descriptor):
+                if _folder_bytes(blobs) + sum(os.path.getsize(blobs / n) for n in os.listdir(blobs)
+                                              if n.endswith(".tmp")) > 4 << 20:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real_fsync(descriptor)
+            monkeypatch.setattr(owned_files.os, "fsync", fsync)
+        store = CarnatorStore(redis_server.url, 1 << 40, blob_dir=str(blobs))   # the limit is not what binds
+        entries = [_put(store, seed, elems=ENTRY) for seed in range(3)]         # 3.6 MB of 4 MiB
+        for entry in entries[:2]:
+            store.delete(entry)                                                 # released, in their grace period
+        assert _folder_bytes(blobs) > 3e6
+        again = _put(store, 10, elems=ENTRY)                                    # ENOSPC: collected, then written
+        assert store.trajectory(store.record(again)).checkpoints[4][0, 0] == 10.0
+        assert store.trajectory(store.record(entries[2])).checkpoints[4][0, 0] == 2.0
+        store.close()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(blobs)], check=True)
+
+
+def test_redis_losing_its_data_locks_no_worker_out_and_costs_no_file(redis_server, tmp_path, monkeypatch):
+    import redis
+    blobs = str(tmp_path / "blobs")
+    running = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    for seed in range(3):
+        _put(running, seed)
+    files_before = set(os.listdir(blobs))
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.flushall()                                                        # the farm's Redis loses its data
+    after = _put(running, 7)                                                # a running worker goes on writing
+    with pytest.raises(StoreError, match="keeps its trajectories in a shared blob folder"):
+        CarnatorStore(redis_server.url, 64 << 20)                           # refused, never reads and marks
+    monkeypatch.setattr(farm, "ORPHAN_GRACE_SECONDS", 0)
+    monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
+    joining = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)     # a new worker is let in
+    assert joining.trajectory(joining.record(after)).checkpoints[4][0, 0] == 7.0
+    joining.close()
+    redis_server.stop(kill=True)                                            # and a restart without its data:
+    for name in os.listdir(redis_server.directory):
+        if name.startswith("appendonly"):
+            subprocess.run(["rm", "-rf", os.path.join(redis_server.directory, name)], check=True)
+    redis_server.start()
+    fresh = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)       # takes the farm's identity back
+    assert fresh._backend.identity == running._backend.identity
+    _put(fresh, 8)
+    assert files_before <= set(os.listdir(blobs))                           # not one of the farm's files deleted
+    assert fresh.drain_problems() == [] and running.drain_problems() == []
+    fresh.close()
+    running.close()
+
+
+def test_an_unreachable_redis_opens_a_store_that_generates_in_full_and_reconnects(tmp_path, tiny_model,
+                                                                                  monkeypatch):
+    from nodes import stores
+    from redis_server import RedisServer, require_redis_server
+    require_redis_server()
+    monkeypatch.setattr(stores, "_stores", {})
+    monkeypatch.setattr(stores, "user_directory", lambda: str(tmp_path / "user"))
+    server = RedisServer(str(tmp_path / "redis"), appendonly=True)          # its port chosen, not started
+    blobs = tmp_path / "blobs"
+    store = stores.open_store(server.url, 64 << 20, str(blobs))             # what the Carnator Cache node calls
+    assert not blobs.exists()                                               # nothing marked before it is reached
+    runner, sigmas, config = TinyDiTRunner(tiny_model, "a red circle"), flow_sigmas(12), CarnatorConfig(probe_steps=2)
+    noise = torch.randn(1, 3, 8, 32, 32, generator=torch.Generator().manual_seed(4))
+    result = generate(runner, noise, sigmas, store, config)
+    store.writer.settle()
+    assert result.model_calls == 12 and result.latent.isfinite().all()
+    assert any("cannot be reached" in w for w in result.warnings + store.drain_problems())
+    server.start()
+    try:
+        monkeypatch.setattr(store_module, "RECONNECT_SECONDS", 0)
+        store._retry_at = 0.0
+        first = generate(runner, noise, sigmas, store, config)
+        store.writer.settle()
+        again = generate(runner, noise * 1.0001, sigmas, store, config)
+        assert first.entry_id and again.decision.reuse and again.decision.entry_id == first.entry_id
+        assert (blobs / MARKER_FILE).exists()
+        store.close()
+    finally:
+        server.stop()
+
+
+def _writer(url: str, blobs: str, stop) -> int:
+    store = CarnatorStore(url, 1 << 40, blob_dir=blobs)
+    count = 0
+    while not stop.is_set():
+        _put(store, count, elems=100)
+        count += 1
+    store.close()
+    return count
+
+
+@pytest.mark.parametrize("layout", ["redis-only", "farm"])
+def test_clear_racing_a_writer_leaves_nothing_unreachable(redis_server, tmp_path, monkeypatch, layout):
+    import redis
+    from carnator_engine.store.backends.redis_store import RedisBackend
+    blobs = str(tmp_path / "blobs") if layout == "farm" else ""
+    admin = redis.Redis.from_url(redis_server.url)
+    clearing = CarnatorStore(redis_server.url, 1 << 40, blob_dir=blobs)
+    listed = RedisBackend.entry_ids
+
+    def entry_ids(self):   # the race made certain: the writer commits between clear's listing and its deletions
+        ids = listed(self)
+        count = admin.scard("carnator:ids")
+        deadline = time.time() + 10
+        while admin.scard("carnator:ids") <= count and time.time() < deadline:
+            time.sleep(0.005)
+        return ids
+    monkeypatch.setattr(RedisBackend, "entry_ids", entry_ids)
+    stop, answers = FORK.Event(), FORK.Queue()
+    writer = FORK.Process(target=lambda: (torch.set_num_threads(1), answers.put(_writer(redis_server.url, blobs,
+                                                                                        stop))))
+    writer.start()
+    for _ in range(5):
+        clearing.clear()
+    stop.set()
+    assert answers.get(timeout=60) >= 5
+    writer.join(timeout=60)
+    ids = {i.decode() for i in admin.smembers("carnator:ids")}
+    for kind in "msbt":                                                     # every entry's keys are listed
+        assert {k.decode().split(":")[2] for k in admin.keys(f"carnator:{kind}:*")} <= ids
+    if layout == "farm":
+        named = {k.decode().split(":")[2] for k in admin.keys("carnator:f:*") if admin.ttl(k) == -1}
+        assert named <= ids
+        referring = set()
+        for key in admin.keys("carnator:r:*"):
+            members = {m.decode() for m in admin.smembers(key)}
+            assert members <= ids
+            referring.add(key.decode().split(":")[2])
+        waiting = {n.decode() for n in admin.zrange("carnator:gc", 0, -1)}
+        files = {n for n in os.listdir(blobs) if n.endswith(".blob")}
+        assert files <= referring | waiting                                 # every file referenced or collectable
+    clearing.close()
+
+
+def test_files_named_like_carnators_are_kept_unless_their_content_proves_them_ours(redis_server, tmp_path):
+    import redis
+    blobs = tmp_path / "blobs"
+    store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))
+    kept = _put(store, 5)
+    identity = store._backend._folder.identity
+    store.close()
+    foreign = {"a" * 64 + ".blob": b"someone's", "b" * 64 + ".blob.0123abcd.tmp": b"someone's too",
+               "c" * 64 + ".blob": header("0" * 32) + b"another farm's"}
+    ours = {"d" * 64 + ".blob": header(identity) + b"a killed write's", "e" * 64 + ".blob": header(identity) + b"x",
+            "e" * 64 + ".blob.89abcdef.tmp": header(identity) + b"its temporary"}
+    admin = redis.Redis.from_url(redis_server.url)
+    for name, data in {**foreign, **ours}.items():
+        (blobs / name).write_bytes(data)
+        os.utime(blobs / name, (OLD, OLD))
+    # The worst case for a name: each was registered as a write that never committed (a killed writer).
+    stale = {name.split(".")[0] + ".blob" for name in {**foreign, **ours}}
+    admin.zadd("carnator:w", {name: OLD for name in stale})
+    reopened = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))
+    present = set(os.listdir(blobs))
+    assert set(foreign) <= present and not set(ours) & present
+    for name, data in foreign.items():
+        assert (blobs / name).read_bytes() == data
+    assert reopened.trajectory(reopened.record(kept)).checkpoints[4][0, 0] == 5.0
+    reopened.close()
+    marker = json.loads((blobs / MARKER_FILE).read_text())
+    assert marker["farm"] == reopened._backend.identity
