@@ -124,7 +124,7 @@ def summary(rows: dict, reference_rows: dict, steps: int, world) -> dict:
 
 
 def save_reference(path: str, rows: dict, clips: dict) -> None:
-    torch.save({"rows": rows, "clips": {key: clip for key, clip in clips.items()}}, path)
+    torch.save({"rows": rows, "clips": dict(clips)}, path)
 
 
 def load_reference(path: str) -> tuple:
