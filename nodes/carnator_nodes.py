@@ -26,9 +26,9 @@ from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
-from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, explained,
-                     fail, make_config, model_label, progress_callback, prompt_text, send_decision, summary_text,
-                     to_json)
+from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, check_switch,
+                     explained, fail, make_config, model_label, progress_callback, prompt_text, send_decision,
+                     summary_text, to_json)
 from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
@@ -111,6 +111,13 @@ def _attention_density_input() -> io.Input:
         "Budget of the attention connectivity a miss records for later hits: the share of key blocks each query "
         "block keeps (its largest). 1 = keep 90 % of the attention mass, however many blocks that takes; 0.3 made "
         "a Wan 1.3B-size hit 2.3x faster on an H200."))
+
+
+def _region_only_input() -> io.Input:
+    return io.Boolean.Input("region_only", default=False, optional=True, tooltip=(
+        "On a hit, the resumed steps run only the tokens that differ from the cached request (and a ring around "
+        "them), taking the rest of the clip from it; a target over half the clip resumes the whole clip. Off by "
+        "default until its quality check passes (docs/region-resume.md)."))
 
 
 def _latent_output() -> io.Output:
@@ -478,13 +485,14 @@ class CarnatorTrajectoryResume(io.ComfyNode):
                         "stores it for later requests.",
             inputs=[_cache_input(), _probe_input(),
                     DecisionType.Input("decision", tooltip="The Compatibility Gate's decision for this probe."),
-                    _sparse_attention_input(), _attention_density_input()],
+                    _sparse_attention_input(), _attention_density_input(), _region_only_input()],
             outputs=[_latent_output(), _summary_output()],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, cache, probe, decision, sparse_attention, attention_density=1.0) -> io.NodeOutput:
+    def execute(cls, cache, probe, decision, sparse_attention, attention_density=1.0,
+                region_only=False) -> io.NodeOutput:
         node = "Carnator Trajectory Resume"
         store = _check_store(node, cache)
         bundle = _check_probe(node, probe)
@@ -495,7 +503,8 @@ class CarnatorTrajectoryResume(io.ComfyNode):
             raise fail(node, "cache", f"is {store.location!r} but the decision reuses an entry of "
                                       f"{decision.directory!r}: connect the same Carnator Cache to Lookup and Resume")
         config = dataclasses.replace(decision.config, sparse_attention=bool(sparse_attention),
-                                     max_density=check_attention_density(node, attention_density))
+                                     max_density=check_attention_density(node, attention_density),
+                                     region_only=check_switch(node, "region_only", region_only))
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
                                  bundle.model_name)
@@ -512,18 +521,20 @@ class CarnatorSampler(io.ComfyNode):
             description="KSampler with cross-request reuse: probes the request, looks up earlier generations, and "
                         "resumes a compatible one's trajectory (or runs the rest and stores it).",
             inputs=[model, _cache_input(), *request, _risk_input(), _sparse_attention_input(),
-                    _attention_density_input(), *_expert_inputs()],
+                    _attention_density_input(), *_expert_inputs(), _region_only_input()],
             outputs=[_latent_output(), _summary_output()],
             hidden=list(_HIDDEN),
         )
 
     @classmethod
     def execute(cls, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-                probe_steps, risk, sparse_attention, attention_density=1.0, **experts) -> io.NodeOutput:
+                probe_steps, risk, sparse_attention, attention_density=1.0, region_only=False,
+                **experts) -> io.NodeOutput:
         node = "Carnator Sampler"
         store = _check_store(node, cache)
         config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention,
-                             max_density=check_attention_density(node, attention_density))
+                             max_density=check_attention_density(node, attention_density),
+                             region_only=check_switch(node, "region_only", region_only))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
                                          sampler_name, scheduler, config.probe_steps, experts)
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")

@@ -41,11 +41,11 @@ def open_cache(comfy, directory, size_gb=1.0):
 
 def sampler_output(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
                    risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
-                   attention_density=1.0, **experts):
+                   attention_density=1.0, region_only=False, **experts):
     """The Carnator Sampler node's whole output: (latent, decision JSON) and the text it shows on itself."""
     out = node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
                                          "simple", probe_steps, risk, sparse_attention, attention_density,
-                                         unique_id=unique_id, prompt=prompt, **experts)
+                                         region_only=region_only, unique_id=unique_id, prompt=prompt, **experts)
     cache.writer.settle()   # the tests read the store directly; the next request and the routes wait by themselves
     return out
 
@@ -675,10 +675,11 @@ NODE_INPUTS = {
                                   "cell_threshold", "max_target_fraction", "max_resume_fraction", "min_saved_steps",
                                   "refine_target", "shrink_with_risk", "max_context_share",
                                   "few_step_resume_fraction"],
-    "CarnatorTrajectoryResume": ["cache", "probe", "decision", "sparse_attention", "attention_density"],
+    "CarnatorTrajectoryResume": ["cache", "probe", "decision", "sparse_attention", "attention_density",
+                                 "region_only"],
     "CarnatorSampler": ["model", "cache", "positive", "negative", "latent_image", "seed", "steps", "cfg",
                         "sampler_name", "scheduler", "probe_steps", "risk", "sparse_attention", "attention_density",
-                        *EXPERTS],
+                        *EXPERTS, "region_only"],
 }
 DISPLAY_NAMES = {"CarnatorCache": "Carnator Cache", "CarnatorEarlyProbe": "Carnator Early Probe",
                  "CarnatorSignatureCacheLookup": "Carnator Signature Cache Lookup",
