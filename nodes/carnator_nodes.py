@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
@@ -135,12 +136,44 @@ def _hidden(cls, name: str):
     return getattr(cls.hidden, name, None) if cls.hidden is not None else None
 
 
-def _given_out(unique_id, summary: dict) -> tuple:
+def _given_out(unique_id, summary: dict, result=None, store: Optional[CarnatorStore] = None) -> tuple:
     """(summary_json, node text) of a decision, sent to the node's web widget too: all three from one summary,
-    with the deciding reasons of a miss (inputs.explained)."""
+    with the deciding reasons of a miss (inputs.explained). With the generation `result`: its write's outcome is
+    this request's to tell, never the next one's: a write already failed is a warning here; one still under way
+    updates the widget once it is done (written, or not with its warning)."""
+    storing = getattr(result, "storing", None)
+    if storing is not None and not summary.get("store_pending") and storing.failure is not None:
+        store.withdraw_problem(storing.failure)
+        summary = {**summary, "warnings": list(dict.fromkeys(summary["warnings"] + [storing.failure]))}
     summary = explained(summary)
+    _shown_last[str(unique_id)] = summary
     send_decision(unique_id, summary)
+    if storing is not None and summary.get("store_pending"):
+        _when_stored(unique_id, summary, storing, store)
     return to_json(summary), ui.PreviewText(summary_text(summary))
+
+
+_shown_last: dict = {}   # node id -> the summary its widget shows last (a late write's update is for that one only)
+
+
+def _when_stored(unique_id, summary: dict, storing, store: CarnatorStore) -> None:
+    """Once the write is done, the widget of the node that queued it says so: "stored as", or its failure (taken
+    back from the warnings waiting for the next request). Not when the node shows a newer request by then."""
+    key = str(unique_id)
+
+    def tell():
+        storing.wait()
+        # write_done: this event updates the node's last decision, it is no request of its own
+        if storing.failure is not None:
+            done = {**summary, "stored_as": None, "store_pending": False, "write_done": True,
+                    "warnings": list(dict.fromkeys(summary["warnings"] + [storing.failure]))}
+        else:
+            done = {**summary, "store_pending": False, "write_done": True}
+        if _shown_last.get(key) is summary and send_decision(unique_id, done):
+            _shown_last[key] = done
+            if storing.failure is not None:     # shown where it belongs: not again on the next request
+                store.withdraw_problem(storing.failure)
+    threading.Thread(target=tell, name="carnator-stored-notice", daemon=True).start()
 
 
 @dataclass
@@ -475,7 +508,7 @@ class CarnatorTrajectoryResume(io.ComfyNode):
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
                                  bundle.model_name)
-        summary_json, text = _given_out(_hidden(cls, "unique_id"), result.summary())
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), result.summary(), result, store)
         return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), summary_json, ui=text)
 
 
@@ -507,7 +540,7 @@ class CarnatorSampler(io.ComfyNode):
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
                                    seed=int(seed), model_name=model_label(graph, unique_id))
-        summary_json, text = _given_out(unique_id, result.summary())
+        summary_json, text = _given_out(unique_id, result.summary(), result, store)
         return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), summary_json, ui=text)
 
 

@@ -242,14 +242,17 @@ def _verdict(summary: dict) -> str:
     return f"Carnator MISS ({risk}): {why}; {cost}{stored}"
 
 
-def send_decision(unique_id, summary: dict) -> None:
-    """Pushes the decision to the frontend; silent when no ComfyUI server runs (scripts, tests)."""
+def send_decision(unique_id, summary: dict) -> bool:
+    """Pushes the decision to the frontend; whether it was sent (silent when no ComfyUI server runs: scripts,
+    tests)."""
     server = sys.modules.get("server")
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
     if instance is None:
-        return
+        return False
     try:
         instance.send_sync(DECISION_EVENT, {"node": None if unique_id is None else str(unique_id),
                                             **json.loads(to_json(summary))})
+        return True
     except Exception as error:  # the UI message is a courtesy: never fail a generation over it
         log.warning("carnator: could not send the decision to the UI: %s", error)
+        return False
