@@ -2,8 +2,8 @@
 """Carnator at few-step schedules (4, 6, 8 steps, cfg 1: step-distilled LoRAs), at real size, random weights.
 
 Per step count N, side by side in one process, through the adapter the nodes use (ComfyRunner, euler / simple,
-cfg 1, one model call a step) and the pipeline with its defaults at such schedules (probe 1 step, the gate's own
-resume step, no gate overrides):
+cfg 1, one model call a step) and the pipeline at such schedules (probe 1 step, the gate's own resume step, no gate
+overrides, risk aggressive: the default does not reuse at 8 steps or fewer, so the hits are aggressive's):
   plain    plain ComfyUI sampling of all N steps, dense attention (Wan 2.2 A14B: the template's two samplers,
            the low-noise expert from step N/2: 2+2, 3+3, 4+4)
   miss     the same request through Carnator on an empty store (probe + the rest + write-back)
@@ -75,7 +75,10 @@ def measure_steps(n, models, spec, args, block_size, root, log):
     runner = ComfyRunner(models[0], positive, negative, cfg=1.0, sampler_name="euler", scheduler="simple", steps=n,
                          seed=args.seed, **experts)
     sigmas = runner.sigmas
-    config = CarnatorConfig(probe_steps=default_probe_steps(n), block_size=block_size, max_density=args.max_density)
+    # risk aggressive: the default (balanced) does not reuse at few-step schedules (carnator_engine/few_step_gate.py);
+    # a miss is the same at every risk level, and the hits measure what a hit costs where a level does reuse
+    config = CarnatorConfig(probe_steps=default_probe_steps(n), block_size=block_size, max_density=args.max_density,
+                            risk="aggressive")
     out = {"steps": n, "probe_steps": config.probe_steps, "switch_step": switch}
 
     plain_runs = []
@@ -107,7 +110,7 @@ def measure_steps(n, models, spec, args, block_size, root, log):
 
     for key, hit_config, repeats in (("hit", config, args.repeats),
                                      ("hit_dense", CarnatorConfig(probe_steps=config.probe_steps, block_size=block_size,
-                                                                  sparse_attention=False), 1)):
+                                                                  sparse_attention=False, risk="aggressive"), 1)):
         runs = []
         for _ in range(repeats):
             facts, result, _ = gs.carnator_hit(runner, store, hit_config, noise, sigmas, None, args.seed)

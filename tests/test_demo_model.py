@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from carnator_engine import __main__ as cli
+from carnator_engine import few_step_gate
 from carnator_engine.backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT, load_tiny_dit, tokenize
 from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, FEW_STEP_WEIGHTS, world
 from carnator_engine.demo import train
@@ -166,6 +167,7 @@ def test_few_step_demo_replays_the_session_on_the_4_step_student(tmp_path, capsy
     assert rows["first request: cold cache"]["attributes_correct"] == "6/6"   # the student at 4 steps, guidance 1
     assert rows["same prompt, same seed"]["exact_repeat"] and rows["same prompt, same seed"]["model_calls"] == 0
     assert all(row["model_calls"] <= 4 for row in written["rows"])
+    assert rows["speed edit"]["why_miss"] == few_step_gate.PLAIN_WORDS    # the balanced default does not reuse here
     assert "4 steps, probe 1, risk balanced, guidance 1, model tiny_dit_4step.safetensors" in capsys.readouterr().out
 
 

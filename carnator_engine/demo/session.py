@@ -5,6 +5,7 @@ import math
 import re
 from typing import Callable, Optional
 
+from .. import few_step_gate
 from ..euler import TinyDiTRunner
 
 _FIRST = {"color": "red", "shape": "circle", "direction": "right", "background": "black", "size": "small",
@@ -90,6 +91,8 @@ def psnr(clip, reference) -> Optional[float]:
 def miss_in_plain_words(decision, policy) -> str:
     """Why the gate generated this request in full, in a user's words, from the decision's numbers."""
     numbers = decision.numbers
+    if few_step_gate.refused(decision):
+        return few_step_gate.PLAIN_WORDS
     if not numbers:
         return "nothing comparable in the cache yet (no earlier generation of this model, size and schedule)"
     found = []
