@@ -30,7 +30,8 @@ def test_workers_smoke(tmp_path):
     require_redis_server()
     import workers
     out = tmp_path / "workers.json"
-    assert workers.main(["--workers", "2", "--users", "1", "--session", "2", "--steps", "6", "--out", str(out)]) == 0
+    assert workers.main(["--workers", "2", "--users", "1", "--session", "2", "--steps", "6", "--start-method", "fork",
+                         "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert results["shared"]["requests"] == results["farm"]["requests"] == results["per_worker"]["requests"] == 2
     check = results["farm"]["check"]
