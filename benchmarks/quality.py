@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -235,6 +236,7 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
                          "read": read, "expected": request.attributes,
                          "psnr": psnr(clip, reference[key]), "ssim": ssim(clip, reference[key])})
         store.close()
+        shutil.rmtree(store_dir, ignore_errors=True)   # a long run's entries would fill the disk
     return rows
 
 
@@ -296,6 +298,7 @@ def summarize(rows, steps, reference_rows, world=WORLDS["v1"]):
         "psnr": sum(r["psnr"] for r, _ in rows_scored) / n,
         "ssim": sum(r["ssim"] for r, _ in rows_scored) / n,
         "psnr_on_hits": (sum(r["psnr"] for r, _ in reused) / len(reused)) if reused else None,
+        "ssim_on_hits": (sum(r["ssim"] for r, _ in reused) / len(reused)) if reused else None,
         "attribute_accuracy": accuracy["all"],
         "per_attribute": {k: v for k, v in accuracy.items() if k != "all"},
         "wrong_accepts": sum(wrong(r, ref) for r, ref in reused),

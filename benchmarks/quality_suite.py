@@ -79,6 +79,8 @@ PER_REQUEST_ON_TOP = [*STEP_CACHE, "--methods", "no_reuse,carnator_refine+easyca
 # pooled configuration -> quality.py arguments, run on every pooled set
 # the check every change to the gate, signature, localization or resume re-runs: the product default against no reuse
 POOLED_RUNS = {"default": ["--methods", "no_reuse,carnator_refine"],
+               # the default with the gate's subject rule on (off by default until this check has run with it)
+               "subject_rule": ["--gate", "refuse_subject_change=true", "--methods", "no_reuse,carnator_refine"],
                "balanced": ["--methods", "no_reuse,text_similarity,carnator"],
                "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
                "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],

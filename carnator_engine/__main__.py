@@ -2,7 +2,8 @@
 
 `demo` replays a short creative-iteration session on the embedded demo model (the project's tiny
 DiT trained on the evaluation world) and prints, for each request, the gate's decision, the model
-calls it cost and the attributes read back from the generated pixels.
+calls it cost and the attributes read back from the generated pixels. At 8 steps or fewer (`demo --steps 4`) it
+replays the session on the demo model's 4-step, guidance-1 student, as a step-distilled LoRA runs.
 """
 from __future__ import annotations
 
@@ -83,15 +84,28 @@ def _load_demo_model(path: str):
                          "an intact file, or leave --weights out for the embedded demo model") from None
 
 
+def demo_model_settings(args) -> None:
+    """Fills the demo's unset --weights, --guidance and --probe-steps for its schedule: at few-step schedules (8 steps
+    or fewer) the demo model's 4-step student at guidance 1 and a one-step probe, as a distilled LoRA runs; otherwise
+    the demo model at the guidance it samples best at and a three-step probe."""
+    from .demo import DEMO_GUIDANCE, DEMO_WEIGHTS, FEW_STEP_GUIDANCE, FEW_STEP_WEIGHTS
+    from .gate import default_probe_steps, few_step
+
+    few = few_step(args.steps)
+    args.weights = args.weights or (FEW_STEP_WEIGHTS if few else DEMO_WEIGHTS)
+    args.guidance = args.guidance if args.guidance is not None else FEW_STEP_GUIDANCE if few else DEMO_GUIDANCE
+    args.probe_steps = args.probe_steps or default_probe_steps(args.steps)
+
+
 def run_demo(args) -> int:
-    from .demo import DEMO_WEIGHTS
     from .pipeline import CarnatorConfig
 
+    demo_model_settings(args)
     config = CarnatorConfig(probe_steps=args.probe_steps, risk=args.risk, block_size=64)
     config.validate(args.steps)
     out_dir = _writable_folder(args.out, "--out")
     json_path = _json_path(args.json)
-    model = _load_demo_model(args.weights or DEMO_WEIGHTS)
+    model = _load_demo_model(args.weights)
     cache_dir = args.cache or tempfile.mkdtemp(prefix="carnator-demo-")
     cache_text = cache_dir if args.cache else "temporary, removed at the end (--cache DIR keeps one)"
     try:
@@ -117,7 +131,8 @@ def _demo_session(args, model, store, config, out_dir: str, json_path: str, cach
     sigmas = flow_sigmas(args.steps)
     policy = config.policy()
     progress = session.Progress(sys.stderr, live=sys.stderr.isatty())
-    print(f"Carnator demo: {args.steps} steps, probe {args.probe_steps}, risk {args.risk}; cache: {cache_text}; "
+    print(f"Carnator demo: {args.steps} steps, probe {args.probe_steps}, risk {args.risk}, guidance {args.guidance:g}, "
+          f"model {os.path.basename(args.weights)}; cache: {cache_text}; "
           f"frames: {out_dir}")
     warm_up = session.ProgressRunner(model, world.prompt(session.DEMO_SESSION[0][1]), args.guidance, lambda: None)
     warm_up.run(world.initial_noise([0]), sigmas, 0, 1, GenerationObserver())   # PyTorch's first-call costs
@@ -166,7 +181,9 @@ def _demo_session(args, model, store, config, out_dir: str, json_path: str, cach
     store.writer.settle()   # the stats count the last requests' entries, written in the background
     if json_path:
         with open(json_path, "w") as handle:
-            json.dump({"rows": rows, "hit_vs_fresh": compared, "store": store.stats()}, handle, indent=2)
+            json.dump({"weights": args.weights, "steps": args.steps, "guidance": args.guidance,
+                       "probe_steps": args.probe_steps, "rows": rows, "hit_vs_fresh": compared,
+                       "store": store.stats()}, handle, indent=2)
     return 0
 
 
@@ -275,17 +292,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="replay a short iteration session on the embedded demo model")
     demo.add_argument("--cache", default="", help="cache directory or redis:// URL, kept after the run (default: a "
                                                   "temporary directory, removed at the end)")
-    demo.add_argument("--weights", default="", help="tiny DiT checkpoint (default: the embedded demo model)")
+    demo.add_argument("--weights", default="", help="tiny DiT checkpoint (default: the embedded demo model; at 8 "
+                                                    "steps or fewer its embedded 4-step student)")
     demo.add_argument("--steps", type=_positive_int, default=DEMO_STEPS,
                       help=f"denoising steps N of each request (default {DEMO_STEPS})")
-    demo.add_argument("--probe-steps", type=_positive_int, default=3,
-                      help="steps run before the cache is consulted, the Early Signature's (default 3)")
+    demo.add_argument("--probe-steps", type=_positive_int, default=None,
+                      help="steps run before the cache is consulted, the Early Signature's (default 3; 1 at 8 steps "
+                           "or fewer)")
     demo.add_argument("--risk", choices=RISK_LEVELS, default="balanced",
                       help="the gate's risk level: safe reuses only close matches and resumes early, aggressive "
                            "reuses more and resumes later (default balanced)")
-    demo.add_argument("--guidance", type=float, default=DEMO_GUIDANCE,
+    demo.add_argument("--guidance", type=float, default=None,
                       help=f"classifier-free guidance scale (default {DEMO_GUIDANCE:g}, what the demo model was "
-                           "trained for)")
+                           "trained for; 1 at 8 steps or fewer, what its distilled student runs at)")
     demo.add_argument("--out", default="carnator-demo-frames",
                       help="folder for the frames: a PNG strip per request and hit-vs-fresh.png (default "
                            "./carnator-demo-frames; made if missing, files of the same names are replaced)")

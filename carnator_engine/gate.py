@@ -57,6 +57,15 @@ class GatePolicy:
     # furthest step. In the evaluation world no gate input ranked the resumes that went wrong consistently
     # (benchmarks/gate_ceiling.py), so the shrinking is caution, not a prediction; this switch measures it.
     shrink_with_risk: bool = True
+    # Look-alike edits ("circle" for "square", "left" for "right") change the subject itself; on the creator trace
+    # (benchmarks/trace.py) they were accepted and made wrong. On: such a candidate is refused (subject_change).
+    # Off by default until the pooled evaluation-world check has run with it (benchmarks/RESULTS.md).
+    refuse_subject_change: bool = False
+    # ... the pooled block states this far apart with no target cell at all: the change is not decided yet
+    undecided_hidden: float = 0.001
+    # ... the least share of the cached subject (cells departing from their frame's background by more than
+    # cell_threshold) that must lie outside the target region: all of it inside, only the background is shared
+    min_shared_subject: float = 0.25
 
     def validate(self) -> "GatePolicy":
         for name, (low, high) in SETTING_RANGES.items():
@@ -81,7 +90,7 @@ class GatePolicy:
 # the furthest share 1 would leave no step of the request to run). The Compatibility Gate node's inputs take these.
 SETTING_RANGES = {"max_hidden": (0, 2), "max_attention": (0, 1), "max_context": (0, 10), "max_context_share": (0, 10),
                   "cell_threshold": (0, 10), "max_target_fraction": (0, 1), "max_resume_fraction": (0, 1),
-                  "few_step_resume_fraction": (0, 1)}
+                  "few_step_resume_fraction": (0, 1), "undecided_hidden": (0, 2), "min_shared_subject": (0, 1)}
 BELOW_HIGH = ("max_resume_fraction", "few_step_resume_fraction")
 SWITCHES = tuple(f.name for f in fields(GatePolicy) if f.type == "bool")   # on/off settings, the rest are numbers
 
@@ -187,16 +196,47 @@ def measure(candidate, policy: GatePolicy):
                    "target_fraction": cells.float().mean().item()}
 
 
+def subject_cells(denoised: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[C, Tg, Hg, Wg] coarse x0-hat -> [Tg, Hg, Wg] bool: the cells departing from their frame's background (its
+    per-channel median) by more than `threshold` (RMS over channels, noise units): what the clip shows on it."""
+    flat = denoised.flatten(2)
+    background = flat.median(-1).values[..., None, None]
+    return (denoised - background).pow(2).mean(0).sqrt() > threshold
+
+
+def subject_change(candidate, cells: torch.Tensor, policy: GatePolicy) -> Optional[str]:
+    """Why reusing this candidate would copy a subject the request changes (None when it would not): the model reads
+    the requests apart while their early estimates do not differ yet (the change is still undecided, so the cached
+    trajectory would decide it the old way), or the target region holds nearly all of the cached subject (only the
+    background would be reused and the whole subject would come from a jump off the probe's blurred estimate)."""
+    hidden = candidate.distance.hidden
+    if not bool(cells.any()) and hidden > policy.undecided_hidden:
+        return (f"subject change: pooled block states differ by {hidden:.4f} (over {policy.undecided_hidden:.4f}) "
+                "but no region differs yet: the change is undecided at the probe and the cached trajectory would "
+                "decide it the old way")
+    subject = subject_cells(candidate.signature.denoised, policy.cell_threshold)
+    if bool(subject.any()) and bool(cells.any()):
+        shared = (subject & ~cells).float().sum().item() / subject.float().sum().item()
+        if shared < policy.min_shared_subject:
+            return (f"subject change: {shared:.2f} of the cached subject lies outside the target region (under "
+                    f"{policy.min_shared_subject:.2f}): only the background would be reused")
+    return None
+
+
 def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
     """Returns (resume_step or None, refine step or None, target cells, numbers, reasons) for one candidate."""
     cells, numbers = measure(candidate, policy)
     distance = candidate.distance
-    limits = [("pooled block states", distance.hidden, policy.max_hidden),
-              ("attention structure", distance.attention, policy.max_attention),
-              ("denoised estimate outside the target region", numbers["context"], policy.max_context),
-              ("the same as a share of two unrelated estimates' difference", numbers["context_share"],
+    # Each check in a creator's words first, the measure's own name in brackets (docs/gate.md explains it).
+    limits = [("how differently the model reads the two requests (pooled block states)", distance.hidden,
+               policy.max_hidden),
+              ("how differently it lays out the clip (attention structure)", distance.attention, policy.max_attention),
+              ("how much the rest of the clip differs early on (denoised estimate outside the target region)",
+               numbers["context"], policy.max_context),
+              ("the same, as a share of two unrelated estimates' difference", numbers["context_share"],
                policy.max_context_share),
-              ("target region share", numbers["target_fraction"], policy.max_target_fraction)]
+              ("how much of the clip changes (target region share)", numbers["target_fraction"],
+               policy.max_target_fraction)]
     numbers.update(context=round(numbers["context"], 5), context_share=round(numbers["context_share"], 4),
                    target_fraction=round(numbers["target_fraction"], 4))
     reasons = []
@@ -206,6 +246,9 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
         reasons.append(f"{label}: {value:.4f} {verdict} limit {limit:.4f}")
     if any(not value <= limit for _, value, limit in limits):
         return None, None, cells, numbers, reasons
+    changed = subject_change(candidate, cells, policy) if policy.refuse_subject_change else None
+    if changed:
+        return None, None, cells, numbers, reasons + [changed]
     risk = max(value / limit for _, value, limit in limits[:-1])
     furthest = furthest_resume(policy, steps)
     shrink, refine_target = (False, False) if few_step(steps) else (policy.shrink_with_risk, policy.refine_target)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -89,6 +90,7 @@ class ProbeResult:
     bucket_parts: dict = field(default_factory=dict)    # index.bucket_parts: stored with the entry
     model_calls: int = 0        # diffusion model forwards of the probe
     uncacheable: str = ""       # non-empty: why this request is generated without the cache
+    store_fault: str = ""       # non-empty: the store could not be read for this request (its first failed read)
     model_text: str = ""        # the model's options, for the "no earlier generation of this model" reason
 
     @property
@@ -115,10 +117,14 @@ class GenerationResult:
         return self.storing.wait() if self.storing is not None else None
 
     def summary(self) -> dict:
-        """The decision and its cost, without waiting for the write: `stored_as` names the entry being written."""
+        """The decision and its cost, without waiting for the write: `stored_as` names the entry written or being
+        written (`store_pending`), None when nothing is or a write that failed (its warning says why)."""
+        storing = self.storing
+        failed = storing is not None and storing.done and storing.wait() is None
         return {**self.decision.summary(), "model_calls": self.model_calls, "steps_run": self.steps_run,
                 "step_cache": self.step_cache, "step_cache_skipped": self.step_cache_skipped,
-                "stored_as": self.storing.entry_id if self.storing is not None else None,
+                "stored_as": storing.entry_id if storing is not None and not failed else None,
+                "store_pending": storing is not None and not storing.done,
                 "seconds": {k: round(v, 4) for k, v in self.seconds.items()}, "warnings": self.warnings}
 
 
@@ -151,15 +157,21 @@ def _validate_request(runner, noise: torch.Tensor, sigmas: torch.Tensor, config:
                              "input; nothing was run or stored")
 
 
-def _read(store: CarnatorStore, what: str, work, default=None):
+def _read(store: CarnatorStore, what: str, work, default=None, request=None):
     """work() reading the store once the writes this process queued for it are in, or `default` when the store
     fails it: a store fault costs the request its reuse, never its result. The warning reaches the request's result
-    (store.drain_problems) and the log."""
+    (store.drain_problems) and the log. `request` (its ProbeResult, or before the probe anything with a
+    `store_fault`) keeps the first failed read: the request's later reads are not tried (a server that is down
+    answers each only after its timeout), so it gets one warning and its decision says the store was unreachable."""
+    if request is not None and request.store_fault:
+        return default
     store.writer.settle()
     try:
         return work()
     except StoreError as error:
-        store.report_problem(f"{what} failed ({error}): this request is generated in full")
+        fault = store.report_problem(f"{what} failed ({error}): this request is generated in full")
+        if request is not None:
+            request.store_fault = fault
         return default
 
 
@@ -194,9 +206,10 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     _validate_request(runner, noise, sigmas, config)
     started = time.perf_counter()
     uncacheable = getattr(runner, "uncacheable", "") or ""
+    fault = ""
     if store is not None and not uncacheable:
         identity = identity or request_identity(runner, noise, sigmas)
-        repeat = _repeated(store, identity, config)
+        repeat, fault = _repeated(store, identity, config)
         if repeat is not None:
             return ProbeResult(None, None, None, sigmas, config.probe_steps, *identity,
                                time.perf_counter() - started, repeat=repeat)
@@ -208,7 +221,7 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     bucket, key = identity or request_identity(runner, noise, sigmas)
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
                        key, time.perf_counter() - started, model_calls=_calls(runner, observer),
-                       uncacheable=uncacheable, model_text=getattr(runner, "model_text", "") or "",
+                       uncacheable=uncacheable, model_text=getattr(runner, "model_text", "") or "", store_fault=fault,
                        bucket_parts=bucket_parts(runner.model_fingerprint, noise.shape, sigmas, runner.sampler,
                                                  _start_image(runner)))
 
@@ -221,24 +234,30 @@ def replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorCo
     A full generation's result is the request's own, whatever the reuse settings; a hit's result is replayed only
     for the same reuse settings (hit_replay_key), and a full generation of the request is preferred to it.
     """
+    return _replay(store, identity, steps, config, device)[0]
+
+
+def _replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorConfig, device: torch.device) -> tuple:
+    """(replay's answer, the store's fault when it could not be read, else "")."""
     started = time.perf_counter()
-    repeat = _repeated(store, identity, config)
+    repeat, fault = _repeated(store, identity, config)
     if repeat is None:
-        return None
+        return None, fault
     decision = gate_module.exact_repeat(repeat[0], steps, config.risk)
-    return _replayed(repeat[1].to(device), decision, store, {"replay": time.perf_counter() - started})
+    return _replayed(repeat[1].to(device), decision, store, {"replay": time.perf_counter() - started}), ""
 
 
-def _repeated(store: CarnatorStore, identity: tuple, config: CarnatorConfig) -> Optional[tuple]:
-    """(entry id, final latent) of a readable full generation of exactly this request, else of a hit of it with
-    the same reuse settings, or None."""
+def _repeated(store: CarnatorStore, identity: tuple, config: CarnatorConfig) -> tuple:
+    """((entry id, final latent) of a readable full generation of exactly this request, else of a hit of it with
+    the same reuse settings, or None; the store's fault when it could not be read, else "")."""
     bucket, request_key = identity
+    reads = types.SimpleNamespace(store_fault="")      # the request's failed read, before it has a ProbeResult
     for key in (request_key, hit_replay_key(request_key, config)):
-        record = _read(store, "the exact-repeat check", lambda: store.exact_repeat(bucket, key))
+        record = _read(store, "the exact-repeat check", lambda: store.exact_repeat(bucket, key), request=reads)
         final = _stored_final(store, record.entry_id) if record is not None else None
         if final is not None:
-            return record.entry_id, final
-    return None
+            return (record.entry_id, final), ""
+    return None, reads.store_fault
 
 
 def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]:
@@ -257,7 +276,8 @@ def _replayed(final: torch.Tensor, decision: gate_module.Decision, store: Carnat
     """The stored result; found after a probe, the probe's calls are what the request cost."""
     _record_hit(store, decision)
     calls, steps = (probed.model_calls, decision.probe_steps) if probed is not None else (0, 0)
-    return GenerationResult(final.to(torch.float32), decision, calls, None, seconds, store.drain_problems(), steps)
+    return GenerationResult(final.to(torch.float32), decision, calls, None, seconds,
+                            list(dict.fromkeys(store.drain_problems())), steps)
 
 
 def _record_hit(store: CarnatorStore, decision: gate_module.Decision) -> None:
@@ -275,7 +295,7 @@ def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) ->
     if probed.repeat is not None or probed.uncacheable:
         return []
     return _read(store, "the cache lookup",
-                 lambda: nearest(store, probed.bucket, probed.signature, config.lookup_limit), [])
+                 lambda: nearest(store, probed.bucket, probed.signature, config.lookup_limit), [], probed)
 
 
 def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
@@ -286,7 +306,7 @@ def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
         if store.holds_bucket(probed.bucket):
             return []
         return [bucket_difference(store, probed.bucket_parts)]
-    return _read(store, "explaining the miss", work, [])
+    return _read(store, "explaining the miss", work, [], probed)
 
 
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
@@ -303,6 +323,10 @@ def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
     for candidate in sorted(candidates, key=lambda c: c.record.reused_from is not None):  # full generations first
         if candidate.record.replays(probed.request_key) or candidate.record.replays(replay_key):
             return gate_module.exact_repeat(candidate.record.entry_id, probed.steps, config.risk, probed.probe_steps)
+    if probed.store_fault and not candidates:    # nothing could be compared: say so, not "no earlier generation"
+        return gate_module.Decision(False, config.risk, probed.steps, probed.probe_steps, probed.probe_steps,
+                                    reasons=["the cache could not be read (the warning says why): nothing could "
+                                             "be compared with this request, which is generated in full"])
     decision = gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk,
                                   probed.model_text)
     if not candidates and bucket_reasons:
@@ -422,9 +446,12 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
                             "model": model_name or runner.model_fingerprint[:12]},
                      request_key=probed.request_key)
         storing = _queue_write(store, entry, observer.checkpoints, connectivity, latent, runner.preview(latent))
+        if probed.store_fault:      # a store this request could not read: the write's outcome is this request's to
+            storing.wait()          # tell (stored or not), not a warning on the next one
+            warnings += store.drain_problems()
     seconds["write_back"] = time.perf_counter() - written   # what the request waits for: copies and queueing
-    return GenerationResult(latent, decision, cost["model_calls"], storing, seconds, warnings, cost["steps_run"],
-                            cost["step_cache"], cost["step_cache_skipped"])
+    return GenerationResult(latent, decision, cost["model_calls"], storing, seconds, list(dict.fromkeys(warnings)),
+                            cost["steps_run"], cost["step_cache"], cost["step_cache_skipped"])
 
 
 def _queue_write(store: CarnatorStore, entry: dict, checkpoints: CheckpointRecorder, connectivity: dict,
@@ -446,11 +473,13 @@ def generate(runner, noise: torch.Tensor, sigmas: torch.Tensor, store: CarnatorS
              prompt: str = "", seed: int = 0, model_name: str = "") -> GenerationResult:
     _validate_request(runner, noise, sigmas, config)
     identity = request_identity(runner, noise, sigmas)
+    fault = ""
     if not getattr(runner, "uncacheable", ""):
-        replayed = replay(store, identity, len(sigmas) - 1, config, noise.device)
+        replayed, fault = _replay(store, identity, len(sigmas) - 1, config, noise.device)
         if replayed is not None:
             return replayed
     probed = probe(runner, noise, sigmas, config, identity)
+    probed.store_fault = fault      # a store that failed the exact-repeat check is not asked again
     started = time.perf_counter()
     candidates = lookup(store, probed, config)
     decision = decide(probed, candidates, config, new_bucket_reasons(store, probed) if not candidates else ())

@@ -12,6 +12,7 @@ Node ids, input names and their order are those of the V1 nodes before them, so 
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
@@ -260,10 +261,15 @@ class CarnatorCache(io.ComfyNode):
 
 
 def _input_at_fault(error: Exception, blob_dir: str) -> str:
-    """The Carnator Cache input a store error is about: blob_dir when the farm's blob folder refused (its errors
-    name it first), else cache_dir, whatever the folder names contain."""
-    farm_folder = blob_dir.strip() and str(error).startswith(("blob_dir ", "Carnator blob folder "))
-    return "blob_dir" if farm_folder else "cache_dir"
+    """The Carnator Cache input a store error is about: blob_dir when it is given and the error names that folder
+    (with blob_dir, cache_dir is a redis:// URL, so no folder of cache_dir's is meant), else cache_dir, whatever
+    the folder names contain ("blob" in a cache_dir path is no blob_dir)."""
+    folder = blob_dir.strip()
+    if not folder:
+        return "cache_dir"
+    message = str(error)
+    named = {folder, os.path.abspath(os.path.expanduser(folder)), os.path.realpath(os.path.expanduser(folder))}
+    return "blob_dir" if message.startswith("blob_dir ") or any(name in message for name in named) else "cache_dir"
 
 
 def _expect(node: str, name: str, value, kind: type, source: str):

@@ -223,7 +223,8 @@ def summary_text(summary: dict) -> str:
 def _verdict(summary: dict) -> str:
     steps, k = summary.get("steps"), summary.get("resume_step")
     risk = summary.get("risk")
-    stored = f"; stored as {summary['stored_as']}" if summary.get("stored_as") else ""
+    written = "being stored" if summary.get("store_pending") else "stored"   # the write may still be under way
+    stored = f"; {written} as {summary['stored_as']}" if summary.get("stored_as") else ""
     cost = cost_text(summary)
     if summary.get("exact_repeat"):
         return (f"Carnator REPEAT: every input matches entry {summary.get('entry_id')}, an earlier generation; "

@@ -209,3 +209,8 @@ def test_a_foreign_folder_is_refused_by_the_demo_and_left_alone(tmp_path, capsys
     assert cli.main(["demo", "--cache", str(tmp_path)]) == 2
     assert "not a Carnator store" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_a_nul_byte_in_the_cache_path_is_named_not_a_bare_value_error(tmp_path, capsys):
+    assert cli.main(["demo", "--cache", str(tmp_path / "ca\x00che"), "--steps", "2", "--probe-steps", "1"]) == 2
+    assert "holds a NUL character" in capsys.readouterr().err and not list(tmp_path.iterdir())

@@ -7,7 +7,7 @@ import torch
 
 from carnator_engine import __main__ as cli
 from carnator_engine.backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT, load_tiny_dit, tokenize
-from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, world
+from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, FEW_STEP_WEIGHTS, world
 from carnator_engine.demo import train
 from carnator_engine.demo.train import combination_index, prompt_tokens, sample_clips
 from carnator_engine.euler import TinyDiTRunner
@@ -121,6 +121,21 @@ def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, 
     assert f"    miss: {rows['colour edit']['why_miss']}" in out
     assert "hit vs fresh (size edit): " in out and str(out_dir) in out
     assert out.rstrip().endswith(cli.demo_legend(DEMO_STEPS, 3, 6, ", ".join(world.ATTRIBUTES)))
+
+
+@pytest.mark.skipif(not os.path.exists(FEW_STEP_WEIGHTS), reason=f"the 4-step student {FEW_STEP_WEIGHTS} is missing")
+def test_few_step_demo_replays_the_session_on_the_4_step_student(tmp_path, capsys):
+    from carnator_engine.__main__ import main
+    report = tmp_path / "demo.json"
+    assert main(["demo", "--steps", "4", "--out", str(tmp_path / "frames"), "--json", str(report)]) == 0
+    written = json.loads(report.read_text())
+    assert (written["weights"], written["guidance"], written["probe_steps"]) == (FEW_STEP_WEIGHTS, 1.0, 1)
+    rows = {row["request"]: row for row in written["rows"]}
+    assert rows["first request: cold cache"]["model_calls"] == 4
+    assert rows["first request: cold cache"]["attributes_correct"] == "6/6"   # the student at 4 steps, guidance 1
+    assert rows["same prompt, same seed"]["exact_repeat"] and rows["same prompt, same seed"]["model_calls"] == 0
+    assert all(row["model_calls"] <= 4 for row in written["rows"])
+    assert "4 steps, probe 1, risk balanced, guidance 1, model tiny_dit_4step.safetensors" in capsys.readouterr().out
 
 
 def test_demo_without_weights_names_the_missing_file(tmp_path, capsys):

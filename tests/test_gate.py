@@ -83,7 +83,8 @@ def test_global_difference_is_rejected_with_reasons():
     other = torch.randn(3, 8, 8, 8, generator=torch.Generator().manual_seed(1))
     decision = decide([_candidate(_sig(other), _sig(BASE))], 20, 3, policy_for("aggressive"), "aggressive")
     assert not decision.reuse and decision.resume_step == 3 and decision.model_calls == 20
-    assert any("target region share" in reason and "over" in reason for reason in decision.reasons)
+    assert any(reason.startswith("how much of the clip changes (target region share): ") and " over limit " in reason
+               for reason in decision.reasons), decision.reasons          # a creator's words, then the measure
 
 
 def test_model_states_disagreeing_rejects_even_when_layout_matches():

@@ -268,12 +268,13 @@ def test_a_full_disk_returns_the_result_and_warns_on_the_next_request(tiny_model
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(DiskBackend, "_write_blob", full_disk)
     result = _run(tiny_model, store, "a red circle moving left", 1)
-    assert result.model_calls == 12 and torch.isfinite(result.latent).all() and result.summary()["stored_as"]
+    assert result.model_calls == 12 and torch.isfinite(result.latent).all() and result.storing.entry_id
     assert result.entry_id is None       # waits for the write: it failed
+    assert result.summary()["stored_as"] is None      # so no summary made now claims it was stored
     assert store.stats()["entries"] == 0 and store.records(include_corrupt=True) == []
     monkeypatch.undo()
     following = _run(tiny_model, store, "a blue square moving up", 2)
-    assert any("not stored" in w and result.summary()["stored_as"] in w and store.location in w
+    assert any("not stored" in w and result.storing.entry_id in w and store.location in w
                and "disk is full" in w for w in following.warnings)
     assert following.entry_id and store.record(following.entry_id).prompt == "a blue square moving up"
 

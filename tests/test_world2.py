@@ -1,4 +1,5 @@
 import json
+import os
 import re
 
 import pytest
@@ -133,8 +134,8 @@ def test_iteration_stream_makes_one_local_edit_at_a_time():
 
 
 def test_adversarial_pairs_are_look_alikes_sharing_noise():
-    pairs = world2.adversarial_pairs(12, seed=1)
-    assert {first.tags["kind"] for first, _ in pairs} == {"direction", "shape", "move"}
+    pairs = world2.adversarial_pairs(12, seed=1, kinds=("direction", "shape", "move", "color"))
+    assert {first.tags["kind"] for first, _ in pairs} == {"direction", "shape", "move", "color"}
     for first, second in pairs:
         kind, position = second.tags["kind"], second.tags["position"]
         assert first.seed == second.seed
@@ -144,7 +145,8 @@ def test_adversarial_pairs_are_look_alikes_sharing_noise():
         else:
             assert changes == {f"{position} {kind}"}
             old, new = first.attributes["objects"][position][kind], second.attributes["objects"][position][kind]
-            assert new == (world2.OPPOSITE_DIRECTION[old] if kind == "direction" else world2.LOOKALIKES[old])
+            if kind != "color":
+                assert new == (world2.OPPOSITE_DIRECTION[old] if kind == "direction" else world2.LOOKALIKES[old])
 
 
 def test_scores_count_a_missing_object_wrong_on_every_attribute():
@@ -169,3 +171,49 @@ def test_training_smoke_writes_world2_weights_and_report(tmp_path):
     assert report["training"]["world"] == "v2"
     assert report["evaluation"]["analyzer_on_ground_truth"]["all"] == 1.0
     assert set(report["accuracy"]) == set(world2.SCORES) | {"all", "mean"}
+
+
+def _benchmark(name):
+    """A module of benchmarks/, as the benchmarks import each other (trace.py through test_quality_smoke's loader,
+    its name being the standard library's too)."""
+    import importlib
+    import sys
+    from test_quality_smoke import _script
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return _script(name) if name in ("trace", "reports") else importlib.import_module(name)
+
+
+def test_creator_trace_on_world2_paraphrases_and_edits_locally():
+    creator_trace = _benchmark("creator_trace")
+    trace = creator_trace.generate_trace(creator_trace.SceneWorld(), 300, seed=2, habit="fixed")
+    again = creator_trace.generate_trace(creator_trace.SceneWorld(), 300, seed=2, habit="fixed")
+    assert [(r.prompt, r.seed, r.tags) for r in trace] == [(r.prompt, r.seed, r.tags) for r in again]
+    ops = {r.tags["op"] for r in trace}
+    assert {"paraphrase", "edit", "nudge"} <= ops
+    for request in trace:
+        assert world2.parse_prompt(request.prompt) == request.attributes    # every wording names its scene
+        parent = trace[request.tags["parent"]] if request.tags["parent"] is not None else None
+        if request.tags["op"] == "paraphrase":
+            assert request.prompt != world2.prompt(request.attributes)
+        elif request.tags["op"] == "nudge":
+            assert {n.rsplit(" ", 1)[1] for n in _flat_changes(parent.attributes, request.attributes)} == {"size"}
+        elif request.tags["op"] == "edit":
+            assert request.tags["changed"] in world2.EDITS and request.tags["changed"] != "size"
+            assert _flat_changes(parent.attributes, request.attributes)
+
+
+def test_trace_benchmark_runs_on_world2(tmp_path):
+    from carnator_engine.backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT
+    weights = tmp_path / "v2.safetensors"   # an untrained model of world v2's words: the plumbing, not its accuracy
+    TinyVideoDiT(TinyDiTConfig(vocabulary=VOCABULARY, text_len=world2.TEXT_LEN, dim=32, layers=1, heads=2)).save(
+        str(weights))
+    trace = _benchmark("trace")
+    out = tmp_path / "trace.json"
+    assert trace.main(["--world", "v2", "--weights", str(weights), "--requests", "3", "--pairs", "1", "--steps", "6",
+                       "--probe-steps", "2", "--fewer-steps", "4", "--text-resume-step", "3", "--habits", "fixed",
+                       "--methods", "carnator_balanced", "--out", str(out)]) == 0
+    report = _benchmark("reports").read(str(out))
+    assert report["results"]["fixed"]["no_reuse"]["model_calls_saved"] == 0
+    assert set(report["results"]["fixed"]["no_reuse"]["per_attribute"]) == set(world2.SCORES)

@@ -451,8 +451,9 @@ NEIGHBOUR = {"top left": "top right", "top right": "top left", "bottom left": "b
 def adversarial_pairs(n: int, seed: int = 0, kinds=("direction", "shape", "move"), same_seed: bool = True) -> list:
     """Pairs of requests whose prompts differ by one word but whose clips differ where it matters: one
     object's direction reversed, its square turned into a circle (circle into square, triangle into square),
-    or the object moved to the quadrant beside it ("top left" -> "top right"). With same_seed the two share
-    their starting noise. Returns (first, second) Requests, kinds taking turns."""
+    its colour swapped ("color", as in world v1), or the object moved to the quadrant beside it ("top left" ->
+    "top right"). With same_seed the two share their starting noise. Returns (first, second) Requests, kinds
+    taking turns."""
     generator = _generator(seed)
     pairs = []
     for i in range(n):
@@ -468,7 +469,7 @@ def adversarial_pairs(n: int, seed: int = 0, kinds=("direction", "shape", "move"
         else:
             position = _choice(first["objects"], generator)
             current = first["objects"][position][kind]
-            new = OPPOSITE_DIRECTION[current] if kind == "direction" else LOOKALIKES[current]
+            new = {"direction": OPPOSITE_DIRECTION, "shape": LOOKALIKES}.get(kind, {}).get(current)   # colour: any
             second = edit(first, kind, generator, position, new)[0]
         seed_a = _new_seed(generator)
         seed_b = seed_a if same_seed else _new_seed(generator)

@@ -33,6 +33,7 @@ import torch
 from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
 from .conditioning import conditioning_fingerprint, start_image_fingerprint
 from .model_key import host_version, model_key
+from .refused import refusal
 from .step_caches import StepCacheCarry, live_holder
 
 log = logging.getLogger("carnator.comfyui")
@@ -354,6 +355,12 @@ class ComfyRunner:
         import comfy.samplers
         self.backbone = backbone_for(model)
         self.layout = self.backbone.layout
+        for input_name, source in (("model", model), ("low_noise_model", low_noise_model)):
+            why = source is not None and refusal(source)
+            if why:
+                error = UnsupportedModelError(f"Carnator: {why}")
+                error.input_name = input_name
+                raise error
         if sampler_name not in comfy.samplers.KSampler.SAMPLERS:
             raise ValueError(f"unknown sampler_name {sampler_name!r}: choose one of "
                              f"{', '.join(comfy.samplers.KSampler.SAMPLERS)}")

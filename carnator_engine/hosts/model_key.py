@@ -286,12 +286,35 @@ class _LoadedWeights:
 
     def state_dict(self) -> dict:
         backup = getattr(self.model, "backup", None) or {}
-        weights = self.model.model.diffusion_model.state_dict()
-        for name in weights:
+        diffusion = self.model.model.diffusion_model
+        weights = diffusion.state_dict()
+        parameters = None
+        for name in list(weights):
             saved = backup.get("diffusion_model." + name)
             if saved is not None:
                 weights[name] = saved.weight
+            elif weights[name].device.type == "meta":
+                # ComfyUI-GGUF's layers give a state dict of empty (meta) tensors, a size estimate: their parameters
+                # hold the quantized bytes, which are what identifies the weights
+                parameters = parameters if parameters is not None else dict(diffusion.named_parameters())
+                if name in parameters:
+                    weights[name] = parameters[name]
+                else:
+                    del weights[name]
         return weights
+
+
+def weight_formats(diffusion) -> str:
+    """The quantized formats of the weights ("Q8_0 x 20, F32 x 41"), from the `tensor_type` that ComfyUI-GGUF's
+    weights carry; "" for plain tensors. Their bytes are in the weights' fingerprint already; the format is named as
+    well, so the "why a new bucket" text says it."""
+    counts: dict = {}
+    for parameter in diffusion.parameters():
+        kind = getattr(parameter, "tensor_type", None)
+        if kind is not None:
+            name = getattr(kind, "name", str(kind))
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} x {count}" for name, count in sorted(counts.items()))
 
 
 def host_version() -> str:
@@ -310,11 +333,12 @@ def model_key(model, backbone) -> ModelKey:
         weights = _BASE_WEIGHTS[diffusion] = module_fingerprint(_LoadedWeights(model))
     base = model.model
     walk = _Walk()
+    formats = weight_formats(diffusion)
     walk.add("base", [weights, backbone.model_class, type(diffusion).__name__, backbone.layout.name,
                       str(backbone.layout.patch_size), str(model.model_dtype()),
                       str(getattr(base, "manual_cast_dtype", None)), type(base.latent_format).__name__,
-                      f"comfyui={host_version()}"])
-    described = []
+                      f"comfyui={host_version()}"] + ([f"weights={formats}"] if formats else []))
+    described = [f"GGUF weights: {formats}"] if formats else []
     options = {
         "weight patches": model.patches,
         "hook patches": list((getattr(model, "hook_patches", None) or {}).values()),  # keys are per-process refs

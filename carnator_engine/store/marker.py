@@ -42,6 +42,9 @@ def _inside(path: str, tree: str) -> bool:
 
 def check_location(directory: str) -> str:
     """The folder's absolute real path, or StoreError for the filesystem root, a system folder or the home folder."""
+    if "\x00" in directory:
+        raise StoreError(f"Carnator cache {directory[:200]!r} holds a NUL character (\\x00), which no folder name "
+                         "can hold: retype the path")
     real = os.path.realpath(os.path.abspath(os.path.expanduser(directory)))
     home = os.path.realpath(os.path.expanduser("~"))
     refused = (os.path.dirname(real) == real or real == home or real in REFUSED_FOLDERS

@@ -69,6 +69,11 @@ test("decision badge and lines", () => {
     + "save fewer than 2 model calls after a 1-step probe: reuse cannot pay here" };
   assert.deepEqual(decisionLines(refused).slice(0, 2), ["MISS: full run of 4 steps · risk safe", `why: ${refused.why}`]);
   assert.equal(savedDecision(refused).why, refused.why);       // still shown after a page reload
+  // a write still under way is "being stored"; one that failed names no entry (its warning says why)
+  assert.ok(decisionLines({ ...miss, stored_as: "0123456789abcdef", store_pending: true })
+    .includes("being stored as 0123456789abcdef"));
+  assert.ok(decisionLines({ ...miss, stored_as: "0123456789abcdef", store_pending: false })
+    .includes("stored as 0123456789abcdef"));
   // a store fault that made the request a full generation shows on the node, before the gate's reasons
   const faulted = { ...miss, warnings: ["reading entry 0123456789abcdef failed: this request is generated in full"] };
   assert.deepEqual(decisionLines(faulted).slice(-2),

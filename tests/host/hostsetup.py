@@ -93,29 +93,74 @@ def build_tiny_wan(directory: str, seed: int = 0, name: str = TINY_WAN, layers: 
     image_to_video "wan21": 36 input channels (latent, image latent, mask) and the CLIP vision projection, as
     Wan 2.1 I2V (WAN21_I2V); "wan22": 36 input channels without it, as Wan 2.2 I2V A14B's experts."""
     import safetensors.torch
-    import torch
-    import comfy.ops
     import folder_paths
-    from comfy.ldm.wan.model import WanModel
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, name)
     if not os.path.exists(path):
-        generator = torch.Generator().manual_seed(seed)
-        model = WanModel(model_type="i2v" if image_to_video == "wan21" else "t2v", patch_size=(1, 2, 2),
-                         in_dim=channels + 20 if image_to_video else channels, dim=256, ffn_dim=512,
-                         freq_dim=256, text_dim=4096, out_dim=channels, num_heads=2, num_layers=layers,
-                         operations=comfy.ops.disable_weight_init)
-        with torch.no_grad():
-            for key, parameter in model.named_parameters():
-                if key.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
-                    parameter.fill_(1.0)
-                elif key.endswith("norm3.bias"):
-                    parameter.zero_()
-                else:
-                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-        safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+        weights = tiny_wan_state_dict(seed, layers, channels, image_to_video)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, path)
     folder_paths.add_model_folder_path("diffusion_models", directory)
     return name
+
+
+def tiny_wan_state_dict(seed: int = 0, layers: int = 2, channels: int = 16, image_to_video: str = "") -> dict:
+    """The weights of build_tiny_wan's model (ComfyUI's WanModel, random, with unit norms)."""
+    import torch
+    import comfy.ops
+    from comfy.ldm.wan.model import WanModel
+    generator = torch.Generator().manual_seed(seed)
+    model = WanModel(model_type="i2v" if image_to_video == "wan21" else "t2v", patch_size=(1, 2, 2),
+                     in_dim=channels + 20 if image_to_video else channels, dim=256, ffn_dim=512,
+                     freq_dim=256, text_dim=4096, out_dim=channels, num_heads=2, num_layers=layers,
+                     operations=comfy.ops.disable_weight_init)
+    with torch.no_grad():
+        for key, parameter in model.named_parameters():
+            if key.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
+                parameter.fill_(1.0)
+            elif key.endswith("norm3.bias"):
+                parameter.zero_()
+            else:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model.state_dict()
+
+
+def build_tiny_wan_gguf(directory: str, qtype: str, seed: int = 0) -> str:
+    """build_tiny_wan's model (same seed, same weights before quantization) as a GGUF file of `qtype` (Q8_0, or the
+    K-quant Q6_K) where ComfyUI-GGUF's Unet Loader (GGUF) finds it (the diffusion_models folder)."""
+    import folder_paths
+    from tiny_gguf import write_wan_gguf
+    os.makedirs(directory, exist_ok=True)
+    name = f"carnator_test_tiny_wan21_{qtype}.gguf"
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        write_wan_gguf(path, tiny_wan_state_dict(seed), qtype)
+    folder_paths.add_model_folder_path("diffusion_models", directory)
+    return name
+
+
+PEERS = Path(os.environ.get("CARNATOR_PEERS", REPO.parent / "shared" / "peers"))
+
+
+def peer_missing(name: str) -> str:
+    """Why the peer node pack `name` (ComfyUI-GGUF, ComfyUI-KJNodes) cannot be installed here ("" when it can)."""
+    if not (PEERS / name / "__init__.py").is_file():
+        return f"no {name} at {PEERS / name} (set CARNATOR_PEERS to the folder holding the peer node packs)"
+    return ""
+
+
+def install_peer(nodes, custom_nodes_dir: str, name: str):
+    """Copies the peer node pack `name` into custom_nodes (the shared copy is read-only) and loads it with ComfyUI's
+    own custom-node loader, as a user's install would be; returns its module."""
+    import shutil
+    target = os.path.join(custom_nodes_dir, name)
+    if not os.path.isdir(target):
+        shutil.copytree(PEERS / name, target, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
+        os.chmod(target, 0o755)
+    module_name = target.replace(".", "_x_")
+    if module_name not in sys.modules:
+        if not asyncio.run(nodes.load_custom_node(target, ignore=set(), module_parent="custom_nodes")):
+            raise RuntimeError(f"ComfyUI's loader refused the peer node pack {name} at {target}: see the log above")
+    return sys.modules[module_name]
 
 
 TINY_LORAS = ("carnator_test_wan_4step_lora.safetensors", "carnator_test_wan22_high_4step_lora.safetensors",
@@ -306,3 +351,21 @@ def start_image(kind: str, size: int = 128):
         stripes = (torch.sin(x * 25.0) > 0).float()
         image = torch.stack([0.1 * x, 0.4 + 0.4 * x * stripes, 0.2 + 0.1 * stripes], dim=-1)
     return image.clamp(0, 1).unsqueeze(0)
+
+
+def load_kjnodes_model_patches(custom_nodes_dir: str):
+    """KJNodes' model-patch nodes (its model_optimization_nodes.py: Patch Sage Attention KJ, GGUF Loader KJ,
+    WanVideo TeaCache, the compile nodes), from a copy of the pack in custom_nodes, imported as a module: the pack's
+    own __init__ also imports its image nodes, which need opencv and others that the model patches do not."""
+    import importlib.util
+    import shutil
+    target = os.path.join(custom_nodes_dir, "ComfyUI-KJNodes")
+    if not os.path.isdir(target):
+        shutil.copytree(PEERS / "ComfyUI-KJNodes", target, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
+    name = "carnator_test_kjnodes_model_optimization"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(target, "nodes", "model_optimization_nodes.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -227,6 +227,34 @@ def test_cache_node_on_a_password_redis_shows_the_password_nowhere(comfy, plugin
         server.stop()
 
 
+def test_with_redis_down_the_node_says_what_happened_once_on_its_own_request(comfy, plugin, counted, conds, latent,
+                                                                             tmp_path):
+    """Redis stops after the first request. The next ones are generated in full and their node text says so
+    honestly: the cache could not be read (not "no earlier generation is in the cache"), nothing "stored as",
+    each warning once, and the write that failed is reported on the request it belongs to, not on the next."""
+    from redis_server import RedisServer, require_redis_server
+    require_redis_server()
+    server = RedisServer(str(tmp_path / "redis")).start()
+    positive, negative = conds
+    try:
+        cache = open_cache(comfy, server.url)
+        sample(comfy, counted.model, cache, positive, negative, latent)
+    finally:
+        server.stop()
+    for scale in (1.001, 1.002):
+        out = sampler_output(comfy, counted.model, cache, nudged(positive, scale), negative, latent)
+        summary, text = json.loads(out.result[1]), hostsetup.shown_text(out)
+        assert out.result[0]["samples"].shape == latent["samples"].shape and summary["steps_run"] == STEPS
+        assert text.startswith("Carnator MISS (balanced): the cache could not be read"), text
+        assert "no earlier generation" not in summary["why"] and "stored as" not in text.splitlines()[0], text
+        assert summary["stored_as"] is None and not summary["store_pending"]
+        warnings = summary["warnings"]
+        assert len(warnings) == len(set(warnings)) == 2, warnings     # the failed read, then this request's write
+        assert warnings[1].startswith("the generation to be stored as ") and "was not stored" in warnings[1]
+        assert all(f"warning: {w}" in text for w in warnings)
+    assert cache.drain_problems() == []                            # nothing left over for the next request
+
+
 def test_cache_node_blob_dir_makes_a_farm_whose_hits_cross_workers(comfy, plugin, counted, conds, latent, tmp_path):
     """The Carnator Cache node's blob_dir: trajectories in that folder, Redis holding the index; a second worker
     (another store object on the same Redis and folder) hits what the first stored; blob_dir without a redis://

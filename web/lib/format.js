@@ -121,7 +121,7 @@ export function decisionBadge(decision) {
 // survives a page reload): what decisionBadge and decisionLines read, nothing else.
 const SAVED_DECISION_KEYS = ["node", "reuse", "exact_repeat", "error", "risk", "steps", "probe_steps", "resume_step",
   "refine_step", "model_calls", "steps_run", "step_cache", "step_cache_skipped", "expected_speedup", "entry_id",
-  "stored_as", "warnings", "reasons", "why"];
+  "stored_as", "store_pending", "warnings", "reasons", "why"];
 
 export function savedDecision(decision) {
   const saved = {};
@@ -150,7 +150,7 @@ export function decisionLines(decision) {
   const probe = Number.isFinite(Number(decision.probe_steps)) ? `probe ${decision.probe_steps} steps` : "";
   const speedup = decision.exact_repeat ? "" : `expected ${formatSpeedup(decision.expected_speedup)}`;
   lines.push([probe, calls, speedup].filter(Boolean).join(" · "));
-  if (decision.stored_as) lines.push(`stored as ${decision.stored_as}`);
+  if (decision.stored_as) lines.push(`${decision.store_pending ? "being stored" : "stored"} as ${decision.stored_as}`);
   for (const warning of decision.warnings || []) lines.push(`warning: ${warning}`);
   for (const reason of decision.reasons || []) lines.push(`• ${reason}`);
   return lines;
