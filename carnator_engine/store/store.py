@@ -238,9 +238,12 @@ class CarnatorStore:
             return self._opened
 
     def set_size_limit(self, size_limit_bytes: int) -> list:
-        """Applies a new limit at once; returns the ids it evicted."""
+        """Applies a new limit at once (a store not reached yet applies it when it opens); returns the ids it
+        evicted."""
         _check_size_limit(size_limit_bytes)
         self.size_limit_bytes = int(size_limit_bytes)
+        if self._opened is None:
+            return []
         return self.enforce_size_limit()
 
     def close(self) -> None:
