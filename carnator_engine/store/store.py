@@ -667,6 +667,15 @@ class CarnatorStore:
                 done: str = "it was skipped (delete it or clear the cache)") -> CorruptEntryError:
         return CorruptEntryError(self.report_problem(f"cache entry {entry_id} is corrupt: {why}; {done}"))
 
+    def withdraw_problem(self, message: str) -> bool:
+        """Takes back a problem not drained yet, because it was shown on the request it concerns (a write that failed
+        after that request's result was out): True when it was still waiting for the next request's warnings."""
+        with self._lock:
+            if message in self.problems:
+                self.problems.remove(message)
+                return True
+        return False
+
     def report_problem(self, message: str) -> str:
         """A problem the current request should show as a warning (drain_problems) and the log should keep."""
         with self._lock:
