@@ -103,14 +103,14 @@ def check_risk(node: str, risk: str) -> str:
 
 def make_config(node: str, steps: int, probe_steps: int, risk: str = "balanced", block_size: int = 64,
                 sparse_attention: bool = True, gate_overrides: Optional[dict] = None,
-                max_density: float = 1.0) -> CarnatorConfig:
+                max_density: float = 1.0, region_only: bool = False) -> CarnatorConfig:
     probe_steps = check_steps(node, steps, probe_steps)
     check_risk(node, risk)
     if int(block_size) < 1:
         raise fail(node, "block_size", f"block_size={block_size} must be >= 1 (64 on CPU, 128 on GPUs)")
     config = CarnatorConfig(probe_steps=int(probe_steps), risk=risk, block_size=int(block_size),
                             sparse_attention=bool(sparse_attention), gate_overrides=dict(gate_overrides or {}),
-                            max_density=max_density)
+                            max_density=max_density, region_only=region_only)
     try:
         config.validate(int(steps))
     except ValueError as error:
@@ -124,6 +124,12 @@ def check_attention_density(node: str, value) -> float:
         raise fail(node, "attention_density", f"attention_density={density} must be in (0, 1]: the share of key "
                                               "blocks each query block keeps (1 = no budget)")
     return density
+
+
+def check_switch(node: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise fail(node, name, f"{name}={value!r} must be true or false")
+    return value
 
 
 def check_number(node: str, name: str, value) -> float:
@@ -238,14 +244,17 @@ def _verdict(summary: dict) -> str:
     return f"Carnator MISS ({risk}): {why}; {cost}{stored}"
 
 
-def send_decision(unique_id, summary: dict) -> None:
-    """Pushes the decision to the frontend; silent when no ComfyUI server runs (scripts, tests)."""
+def send_decision(unique_id, summary: dict) -> bool:
+    """Pushes the decision to the frontend; whether it was sent (silent when no ComfyUI server runs: scripts,
+    tests)."""
     server = sys.modules.get("server")
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
     if instance is None:
-        return
+        return False
     try:
         instance.send_sync(DECISION_EVENT, {"node": None if unique_id is None else str(unique_id),
                                             **json.loads(to_json(summary))})
+        return True
     except Exception as error:  # the UI message is a courtesy: never fail a generation over it
         log.warning("carnator: could not send the decision to the UI: %s", error)
+        return False

@@ -248,19 +248,34 @@ def _forward_counter(run: _Run):
     return wrapper
 
 
-def _block_patch(run: _Run, index: int, inner):
+_UNCUT = ("img", "txt", "transformer_options")   # block arguments a region-only step never cuts to its tokens
+
+
+def _block_patch(run: _Run, index: int, inner, last: bool, joint_text: bool):
+    """A region-only resume's step (observer.region active) cuts the tokens to its target at the first block, the
+    block arguments with a token axis (rope, per-token modulation, a joint padding mask) at every block, and puts
+    the tokens back at the last."""
     def patch(args, extra):
         options = dict(args.get("transformer_options") or {})
         options["block_index"] = index          # on a copy: nothing leaks into other blocks or runs
         args = dict(args, transformer_options=options)
+        region = getattr(run.observer, "region", None)
         img = args["img"]
-        if img.shape[1] < run.tokens or ("txt" in args and img.shape[1] != run.tokens):
+        tokens = run.tokens if index == 0 or region is None else region.video_tokens()
+        if img.shape[1] < tokens or ("txt" in args and img.shape[1] != tokens):
             raise UnsupportedModelError(
-                f"Carnator: block {index} carries {img.shape[1]} image tokens for a latent of {run.tokens}: a "
+                f"Carnator: block {index} carries {img.shape[1]} image tokens for a latent of {tokens}: a "
                 "reference latent or image conditioning adds tokens the signature does not compare; use a "
                 "regular KSampler for it")
+        if region is not None:
+            if index == 0:
+                args["img"] = region.gather(img, args["txt"].shape[1] if joint_text and "txt" in args else None)
+            args = {key: value if key in _UNCUT else region.gather_like(value) for key, value in args.items()}
+            tokens = region.video_tokens()
         out = inner(args, extra) if inner is not None else extra["original_block"](args)
-        run.observer.block_output(index, out["img"][:, :run.tokens])   # single-stream blocks carry the text after
+        run.observer.block_output(index, out["img"][:, :tokens])   # single-stream blocks carry the text after
+        if region is not None and last:
+            out = dict(out, img=region.scatter(out["img"]))
         return out
     return patch
 
@@ -296,12 +311,14 @@ def _attention_override(run: _Run, previous, joint_text: bool):
         merged_out = not kwargs.get("skip_output_reshape", False)
         token_dim = 2 if split else 1
         length_q, length_k = q.shape[token_dim], k.shape[token_dim]
-        video_ok = length_q == run.tokens or (joint_text and length_q > run.tokens)
+        region = getattr(run.observer, "region", None)
+        tokens = run.tokens if region is None else region.video_tokens()
+        video_ok = length_q == tokens or (joint_text and length_q > tokens)
         if length_q != length_k or not video_ok or q.dim() != (4 if split else 3):
             return next_in_chain(func, *args, **kwargs)  # cross-attention, or tokens beyond the video grid
         rest = list(args[3:])
         if mask is not None:
-            keep = _kept_keys(mask, length_k, run.tokens)
+            keep = _kept_keys(mask, length_k, tokens)
             if keep is None:
                 return next_in_chain(func, *args, **kwargs)   # not a text padding mask: left to the host
             keep = keep.to(k.device)
@@ -325,7 +342,7 @@ def _attention_override(run: _Run, previous, joint_text: bool):
                 return out.reshape(batch, out.shape[1], heads, head_dim).transpose(1, 2)
             return out
 
-        video = run.tokens if length_q > run.tokens else None
+        video = tokens if length_q > tokens else None
         out = run.observer.self_attention(int(block), to_heads(q), to_heads(k), to_heads(v), dense=dense,
                                           video_tokens=video)
         if merged_out:
@@ -489,6 +506,11 @@ class ComfyRunner:
                 "runs (a closure over a counter or a cache) cannot be fingerprinted: its node can declare a "
                 "`carnator_fingerprint`")
 
+    def fresh_step_cache(self) -> None:
+        """The next run starts its step cache (EasyCache, LazyCache) afresh instead of continuing the last run's
+        state: after a region-only run, that state holds changes measured on the target tokens alone."""
+        self.carry = StepCacheCarry()
+
     def with_step_callback(self, step_callback: Optional[StepCallback]) -> "ComfyRunner":
         clone = object.__new__(ComfyRunner)
         clone.__dict__.update(self.__dict__)
@@ -501,7 +523,9 @@ class ComfyRunner:
         replaced = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
         for index, (kind, number) in enumerate(self.backbone.block_keys):
             inner = replaced.get((kind, number))
-            model.set_model_patch_replace(_block_patch(run, index, inner), "dit", kind, number)
+            last = index == self.backbone.num_blocks - 1
+            model.set_model_patch_replace(_block_patch(run, index, inner, last, self.backbone.joint_text), "dit",
+                                          kind, number)
         options = model.model_options.setdefault("transformer_options", {})
         options["optimized_attention_override"] = _attention_override(
             run, options.get("optimized_attention_override"), self.backbone.joint_text)
