@@ -280,7 +280,9 @@ def main(argv=None) -> int:
     stream = world.iteration_stream(args.users * args.session, seed=args.seed, restart_every=args.session,
                                     one_seed_per_session=args.fixed_seed)
     sessions = [stream[u * args.session:(u + 1) * args.session] for u in range(args.users)]
-    root = tempfile.mkdtemp(prefix="carnator-workers-")
+    # the Redis servers' and the workers' folders, removed when main returns or fails (the finalizer)
+    scratch = tempfile.TemporaryDirectory(prefix="carnator-workers-")
+    root = scratch.name
     context = mp.get_context("spawn")
     results, load = {}, os.getloadavg()
     for setting in [s for s in args.settings.split(",") if s]:
@@ -327,6 +329,7 @@ def main(argv=None) -> int:
                    "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
                    "results": results}, handle, indent=2)
     print(f"wrote {args.out}")
+    scratch.cleanup()
     return 0
 
 

@@ -296,3 +296,28 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
     entry_id, numbers, reasons = rejected[0]
     return Decision(False, risk, steps, probe_steps, probe_steps, numbers=numbers,
                     reasons=[f"nearest entry {entry_id} rejected"] + reasons)
+
+
+def region_only_verdict(share: float, max_share: float, decision: Decision, full_steps: int,
+                        tail_steps: int) -> tuple:
+    """(region-only?, reason) for a hit whose target tokens (halo included) are `share` of the clip.
+
+    Region-only pays where the steps that run the target alone outweigh its full steps: a step costs about its share
+    of the tokens (the linear layers and attention's queries both scale with it), and `full_steps` of the resumed
+    steps (the keys and values of the other tokens) and the last `tail_steps` (the seams) run every token. Beyond
+    `max_share`, the cached rest is too small a part of the clip to hold it: whole-clip resume, which recomputes it."""
+    calls_before = decision.probe_steps + (decision.refine_step is not None)
+    resumed = decision.steps - decision.resume_step
+    region_steps = resumed - full_steps - tail_steps
+    whole = calls_before + resumed
+    region = calls_before + full_steps + tail_steps + max(0, region_steps) * share
+    text = (f"target tokens with their halo: {share:.1%} of the clip; region-only resume costs about {region:.1f} "
+            f"full model calls against {whole} for whole-clip resume")
+    if share == 0:
+        return False, (f"no target tokens: the cached request covers the whole clip, and whole-clip resume "
+                       f"recomputes it under this request's conditioning")
+    if not share <= max_share:
+        return False, f"{text}, but the target is over the region-only limit of {max_share:.0%}: whole-clip resume"
+    if region_steps < 1 or region > 0.9 * whole:
+        return False, f"{text}: region-only saves under 10 % here, whole-clip resume"
+    return True, f"{text}: region-only resume, expected {decision.steps / region:.2f}x"

@@ -77,7 +77,7 @@ def test_distill_sweep_runs_the_variants_at_once_and_names_the_best(tmp_path, mo
     """Each variant a process (here a stand-in writing a report like distill.py's), all at once; a process past
     the deadline is stopped and reported, the others compared."""
     from carnator_engine.demo import distill_sweep
-    gaps = {"onpolicy_x0": 0.7, "onpolicy_segment": 0.9}
+    gaps = {"x0_4step": 0.7, "segment_4step": 0.9}
     fake = ("import json, sys, time; out = sys.argv[sys.argv.index('--out') + 1]; all_ = {all_}; "
             "time.sleep(30 if all_ < 0 else 0); open(out, 'w').write('w'); "
             "s = lambda a: {{'random': {{'all': a, 'shape': a}}, 'heldout': {{'all': a, 'shape': a}}}}; "
@@ -88,9 +88,9 @@ def test_distill_sweep_runs_the_variants_at_once_and_names_the_best(tmp_path, mo
         sys.executable, "-c", fake.format(all_=gaps.get(name, -1)), "--out", str(tmp_path / f"{name}.safetensors")])
     assert distill_sweep.main([str(tmp_path), "--minutes", "0.001", "--grace", "3"]) == 1
     summary = json.loads((tmp_path / "sweep.json").read_text())
-    assert summary["best_at_4_steps_heldout"] == "onpolicy_segment"
-    assert summary["results"]["onpolicy_x0"]["heldout_gap_points_at_4"] == 20.0
-    assert summary["results"]["onpolicy_x0_4step"]["failed"].startswith("stopped")
+    assert summary["best_at_4_steps_heldout"] == "segment_4step"
+    assert summary["results"]["x0_4step"]["heldout_gap_points_at_4"] == 20.0
+    assert summary["results"]["segment_mixed"]["failed"].startswith("stopped")
     assert len(list(tmp_path.iterdir())) == 6      # 2 x (weights, report), sweep.json, sweep_log.txt
 
 

@@ -21,7 +21,7 @@ NAMING_FILES = [*PAGES, "pyproject.toml", ".ci/run",
 NAMED_PATH = re.compile(r"(?<![\w./-])((?:carnator_engine|nodes|benchmarks|tests|docs|workflows|web)/[\w./-]*\w\.(?:py|md|sh|mjs|js))\b")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # Pages their owners are writing; the README links them already.
-PLANNED_PAGES = {"docs/region-resume.md", "docs/evaluation-world.md"}
+PLANNED_PAGES = {"docs/region-resume.md"}
 
 
 def _read(path):
@@ -146,8 +146,8 @@ def _uncited_results(results: str, patterns: list, source_text: str) -> list:
 
 def test_results_holds_only_files_that_results_md_or_the_code_cite():
     """benchmarks/results/ keeps the newest run of each benchmark: every file there is named by RESULTS.md or
-    docs/ (a path or a glob), or by the code that reads or writes it, or sits beside one that is."""
-    source_text = "\n".join(_read(f) for f in NAMING_FILES if f.endswith(".py")) + _read("tests/browser/e2e.mjs")
+    docs/ (a path, a glob or its name), or by the code that reads or writes it, or sits beside one that is."""
+    source_text = "\n".join(_read(f) for f in NAMING_FILES) + _read("tests/browser/e2e.mjs")
     assert _uncited_results(RESULTS, _cited_patterns(), source_text) == []
 
 

@@ -45,3 +45,19 @@ def test_store_scale_reads_rows_against_the_goals():
     verdicts = {v["field"]: v["met"] for v in store_scale.against_goals([row, {**row, "entries": 20}])}
     assert verdicts == {"lookup_ms_median": False, "put_ms_median": True, "open_s": True, "rebuild_s": True,
                         "open_rss_mb": True, "rebuild_rss_mb": False}
+
+
+def test_farm_soak_smoke(tmp_path):
+    from redis_server import require_redis_server
+    require_redis_server()
+    import farm_soak
+    out = tmp_path / "soak.json"
+    farm_soak.main(["--workers", "2", "--minutes", "0.15", "--rounds", "1", "--fault-s", "0.3", "--limit-mb", "8",
+                    "--folder-mb", "16", "--out", str(out)])
+    report = json.loads(out.read_text())
+    result = report["result"]
+    assert [f["fault"] for f in result["faults"]] == [f for f in farm_soak.FAULTS if f != "flushall"] + ["flushall"]
+    assert result["acknowledged"] > 0 and result["reads"] > 0
+    for goal in ("lost", "torn", "wrong_served", "evicted_live_by_bookkeeping", "foreign_touched",
+                 "second_farm_refused", "no_open_failed"):
+        assert report["goals"][goal], (goal, result)

@@ -18,3 +18,8 @@ DEMO_WEIGHTS_V2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny
 # Each world's shipped weights and the guidance they sample best at (their accuracy report's recommendation).
 DEMO_WORLDS = {"v1": {"weights": DEMO_WEIGHTS, "guidance": DEMO_GUIDANCE},
                "v2": {"weights": DEMO_WEIGHTS_V2, "guidance": 2.0}}
+
+# The demo model's 4-step, guidance-1 student (demo/distill.py; its report in benchmarks/results/demo_model/): what the
+# demo samples at few-step schedules, as a step-distilled LoRA is sampled.
+FEW_STEP_WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_dit_4step.safetensors")
+FEW_STEP_GUIDANCE = 1.0

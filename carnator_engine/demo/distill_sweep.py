@@ -18,12 +18,17 @@ import subprocess
 import sys
 import time
 
-# name -> distill.py arguments. Stage 1 is the one-stage reflow recipe (it plateaus after about two minutes on
-# one H200); stage 2 trains on the student's own rollouts, where a one-stage student's errors happen.
+from . import FEW_STEP_WEIGHTS
+
+# name -> distill.py arguments: the shipped student (demo/tiny_dit_4step.safetensors: one H200, 1.5 min of reflow then
+# 4 min of onpolicy-x0 on 4-step rollouts, with two other recipes and another job on the GPU:
+# benchmarks/results/demo_model/distill_sweep_h200.json) trained further on its own rollouts, at a lower learning rate
+# (from the teacher, the switch from reflow to on-policy targets first costs accuracy, then passes the reflow student).
+_FROM_SHIPPED = ["--init", FEW_STEP_WEIGHTS, "--reflow-minutes", "0", "--lr", "1e-4", "--warmup", "20"]
 VARIANTS = {
-    "onpolicy_x0": ["--target", "onpolicy-x0", "--reflow-minutes", "1.5", "--rollout-steps", "4,4,6,8"],
-    "onpolicy_segment": ["--target", "onpolicy-segment", "--reflow-minutes", "1.5", "--rollout-steps", "4,4,6,8"],
-    "onpolicy_x0_4step": ["--target", "onpolicy-x0", "--reflow-minutes", "1.5", "--rollout-steps", "4"],
+    "x0_4step": ["--target", "onpolicy-x0", "--rollout-steps", "4", *_FROM_SHIPPED],
+    "segment_4step": ["--target", "onpolicy-segment", "--rollout-steps", "4", *_FROM_SHIPPED],
+    "segment_mixed": ["--target", "onpolicy-segment", "--rollout-steps", "4,4,6,8", *_FROM_SHIPPED],
 }
 
 

@@ -25,18 +25,6 @@ from .model_key import STEP_CACHE_KEY, STEP_CACHE_SETTINGS
 _NOT_STATE = frozenset(STEP_CACHE_SETTINGS) | {"name", "verbose", "offload_cache_diff", "start_t", "end_t"}
 
 
-def unsplittable_step_cache(model_options: dict) -> str:
-    """The name of a step cache on the model that cannot run inside Carnator's split runs ("" for none): KJNodes'
-    WanVideo TeaCache (native) keeps its state on the diffusion model, resets it at the first step of every sampler
-    run and places start/end within that run's steps, so a request run as probe + rest would skip other steps than
-    one KSampler run does (and store what it skipped)."""
-    options = model_options.get("transformer_options") or {}
-    wrapper = model_options.get("model_function_wrapper")
-    if "teacache_device" in options or "TeaCache" in getattr(wrapper, "__qualname__", ""):
-        return "KJNodes' WanVideo TeaCache (native)"
-    return ""
-
-
 def live_holder(model_options: dict):
     return (model_options.get("transformer_options") or {}).get(STEP_CACHE_KEY)
 
@@ -94,4 +82,4 @@ class StepCacheCarry:
             self.saved[end] = snapshot
 
 
-__all__ = ["StepCacheCarry", "live_holder", "unsplittable_step_cache"]
+__all__ = ["StepCacheCarry", "live_holder"]

@@ -354,7 +354,7 @@ def start_image(kind: str, size: int = 128):
 
 
 def load_kjnodes_model_patches(custom_nodes_dir: str):
-    """KJNodes' model-patch nodes (nodes/model_optimization_nodes.py: Patch Sage Attention KJ, GGUF Loader KJ,
+    """KJNodes' model-patch nodes (its model_optimization_nodes.py: Patch Sage Attention KJ, GGUF Loader KJ,
     WanVideo TeaCache, the compile nodes), from a copy of the pack in custom_nodes, imported as a module: the pack's
     own __init__ also imports its image nodes, which need opencv and others that the model patches do not."""
     import importlib.util
