@@ -13,7 +13,8 @@ def test_store_scale_smoke(tmp_path):
     import store_scale
     out = tmp_path / "scale.json"
     assert store_scale.main(["--sizes", "5,20", "--queries", "3", "--puts", "2", "--blob-repeats", "0",
-                             "--memory-entries", "1", "--memory-redis-entries", "0", "--root", str(tmp_path),
+                             "--memory-entries", "1", "--memory-redis-entries", "0", "--open-with", "fork",
+                             "--root", str(tmp_path),
                              "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
