@@ -33,8 +33,9 @@ class PreparedLatent:
     noise_mask: Optional[torch.Tensor] = None   # the part of `samples` to keep (1 = generate), [B, 1, F, H, W]
 
 
-# models whose start image comes in the LATENT, kept by its noise mask: Wan 2.2 TI2V 5B (Wan22ImageToVideoLatent)
-KEPT_LATENT_MODELS = ("WAN22",)
+# models whose start image comes in the LATENT, kept by its noise mask: Wan 2.2 TI2V 5B (Wan22ImageToVideoLatent),
+# HunyuanVideo I2V (HunyuanImageToVideo's "v2 (replace)")
+KEPT_LATENT_MODELS = ("WAN22", "HunyuanVideoI2V")
 
 
 def check_model(node: str, model):
@@ -54,7 +55,8 @@ def check_latent(node: str, model, latent_image, backbone) -> PreparedLatent:
     if mask is not None and backbone.model_class not in KEPT_LATENT_MODELS:
         raise fail(node, "latent_image", "carries a noise mask (inpainting or masked image-to-video): Carnator "
                                          "samples whole clips, and keeps a masked start image only for Wan 2.2 "
-                                         "TI2V 5B (Wan22ImageToVideoLatent); use a KSampler for masked sampling")
+                                         "TI2V 5B (Wan22ImageToVideoLatent) and HunyuanVideo I2V (HunyuanImageToVideo "
+                                         "v2); use a KSampler for masked sampling")
     samples = latent_image["samples"]
     layout = backbone.layout
     channels = layout.latent_channels
@@ -76,7 +78,7 @@ def check_latent(node: str, model, latent_image, backbone) -> PreparedLatent:
         shape = list(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
         raise fail(node, "latent_image", f"has a noise mask of shape {shape} for a latent of {list(samples.shape)}: "
                                          "a start-image mask must be [batch, 1, frames, height, width] of the "
-                                         "latent's size, as Wan22ImageToVideoLatent makes it")
+                                         "latent's size, as Wan22ImageToVideoLatent and HunyuanImageToVideo make it")
     extra = {k: v for k, v in latent_image.items() if k in ("batch_index", "noise_mask")}
     return PreparedLatent(samples.to(torch.float32), extra, None if mask is None else mask.to(torch.float32))
 

@@ -20,8 +20,6 @@ NAMING_FILES = [*PAGES, "pyproject.toml", ".ci/run",
 # A source or documentation file named by its path from the repository root (outputs such as JSON are not).
 NAMED_PATH = re.compile(r"(?<![\w./-])((?:carnator_engine|nodes|benchmarks|tests|docs|workflows|web)/[\w./-]*\w\.(?:py|md|sh|mjs|js))\b")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# Pages their owners are writing; the README links them already.
-PLANNED_PAGES = {"docs/region-resume.md"}
 
 
 def _read(path):
@@ -58,8 +56,7 @@ def _broken_links(page: str) -> list:
         path, _, anchor = link.partition("#")
         target = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
         if not os.path.exists(os.path.join(ROOT, target)):
-            if target not in PLANNED_PAGES and os.path.join("docs", target) not in PLANNED_PAGES:
-                broken.append(link)
+            broken.append(link)
         elif anchor and target.endswith(".md") and anchor not in _anchors(target):
             broken.append(link)
     return broken
@@ -90,7 +87,7 @@ def test_the_link_check_catches_a_missing_page_and_a_missing_anchor(tmp_path, mo
 def test_every_repository_file_the_code_tests_and_pages_name_exists():
     missing = sorted({f"{named_in}: {path}" for named_in in NAMING_FILES
                       for path in NAMED_PATH.findall(_read(named_in))
-                      if not os.path.exists(os.path.join(ROOT, path)) and path not in PLANNED_PAGES})
+                      if not os.path.exists(os.path.join(ROOT, path))})
     assert missing == []
 
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-from benchmark_smoke import ROOT, TIME_LIMIT_S, skip_without_comfyui
+from benchmark_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_compose.py")
 
@@ -16,11 +14,8 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_compose.py")
 def test_gpu_compose_smoke(tmp_path):
     skip_without_comfyui()
     out = tmp_path / "compose.json"
-    completed = subprocess.run([sys.executable, SCRIPT, "--smoke", "--skip-cfg5", "--easycache-thresholds", "0.1",
-                                "--region-shares", "0.3", "--device", "cpu", "--out", str(out), "--store-dir",
-                                str(tmp_path)],
-                               capture_output=True, text=True, timeout=TIME_LIMIT_S)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    completed = run_smoke([SCRIPT, "--smoke", "--skip-cfg5", "--easycache-thresholds", "0.1", "--region-shares", "0.3",
+                           "--device", "cpu", "--out", str(out), "--store-dir", str(tmp_path)], TIME_LIMIT_S)
     report = json.loads(out.read_text())
     cases = report["cases"]
     assert set(cases) == {"plain", "easycache", "miss", "hit", "miss+easycache", "hit+easycache", "region hit 30%",

@@ -83,16 +83,13 @@ _SUPPORTED = {
     "HunyuanVideo": _Spec("HunyuanVideo", (("double_blocks", "double_block"), ("single_blocks", "single_block")),
                           {16: HUNYUAN_VIDEO}, joint_text=True),
 }
-SUPPORTED_TEXT = ("Wan 2.1 / Wan 2.2 T2V and I2V (ComfyUI classes WAN21, WAN22), LTX-Video (LTXV) and HunyuanVideo T2V "
-                  "(HunyuanVideo)")
+# HunyuanVideo image-to-video (HunyuanImageToVideo's "v1 (concat)" image latent, or "v2 (replace)": the image kept in
+# the first latent frame by a noise mask) and SkyReels I2V: the same transformer with more input channels
+_SUPPORTED["HunyuanVideoI2V"] = _SUPPORTED["HunyuanVideoSkyreelsI2V"] = _SUPPORTED["HunyuanVideo"]
+SUPPORTED_TEXT = ("Wan 2.1 / Wan 2.2 T2V and I2V (ComfyUI classes WAN21, WAN22), LTX-Video (LTXV) and HunyuanVideo "
+                  "T2V and I2V (HunyuanVideo, HunyuanVideoI2V, HunyuanVideoSkyreelsI2V)")
 
-_I2V_WHY = ("image-to-video is not supported for HunyuanVideo yet: besides the concatenated image latent (which Carnator "
-            "keys, as for Wan I2V), its 'v2 (replace)' mode swaps the first latent frame inside the model with a "
-            "timestep of its own (guiding_frame_index), a path Carnator's probe and resume have not been verified "
-            "on")
 _WHY_NOT = {
-    "HunyuanVideoI2V": _I2V_WHY,
-    "HunyuanVideoSkyreelsI2V": _I2V_WHY,
     "WAN21_Vace": "VACE adds control blocks whose states are not part of the signature",
     "WAN21_Camera": "camera control changes the trajectory outside the conditioning Carnator compares",
     "WAN21_HuMo": "audio/reference conditioning is not compared by the signature",
@@ -406,7 +403,12 @@ class ComfyRunner:
         self.request_fingerprint = conditioning_fingerprint(positive, negative, self.seed)
         if noise_mask is not None and latent_image is None:
             raise ValueError("a noise_mask needs the latent_image it keeps")
-        self.kept_latent = None if noise_mask is None else latent_image.detach().to("cpu", torch.float32)
+        # the request's latent stays the sampler's latent_image in every run when the model reads it: a noise mask
+        # keeps part of it, and a model with concat_keys (HunyuanVideo I2V) concatenates it to a conditioning that
+        # carries no image of its own (ComfyUI's BaseModel.concat_cond)
+        reads_latent = noise_mask is not None or bool(getattr(model.model, "concat_keys", ()))
+        self.kept_latent = latent_image.detach().to("cpu", torch.float32) if reads_latent and latent_image is not None \
+            else None
         self.noise_mask = None if noise_mask is None else noise_mask.detach().to("cpu", torch.float32)
         # part of the bucket: a hit only ever resumes a generation of the same start image ("" for text-to-video)
         self.image_fingerprint = start_image_fingerprint(positive, negative, self.kept_latent, self.noise_mask)
@@ -584,9 +586,9 @@ class ComfyRunner:
 
     def _sampler_start(self, x: torch.Tensor, sigma0: float) -> tuple:
         """(noise, latent_image) for which the host sampler starts at x: it starts from sigma0 * noise +
-        (1 - sigma0) * latent (latent in the model space). With a kept latent (a noise mask) the latent must be that
-        one, since the sampler keeps its masked-out part at every evaluation, so the noise carries x."""
-        if self.noise_mask is not None:
+        (1 - sigma0) * latent (latent in the model space). With a kept latent the latent must be the request's own
+        (the model reads it: a noise mask keeps part of it, concat_keys concatenate it), so the noise carries x."""
+        if self.kept_latent is not None:
             kept = self.from_latent_format(self.kept_latent) if bool(self.kept_latent.any()) else self.kept_latent
             return (x - (1.0 - sigma0) * kept) / sigma0, self.kept_latent
         if sigma0 >= 1.0 or math.isclose(sigma0, 1.0, rel_tol=1e-6):

@@ -609,8 +609,8 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     bad_sample(r"input 'attention_density': attention_density=nan is not a finite number",
                attention_density=float("nan"))
 
-    hunyuan = types.SimpleNamespace(model=type("HunyuanVideoI2V", (), {"diffusion_model": None})())
-    bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideoI2V .*image-to-video", model=hunyuan)
+    vace = types.SimpleNamespace(model=type("WAN21_Vace", (), {"diffusion_model": None})())
+    bad_sample(r"input 'model': Carnator: unsupported model WAN21_Vace .*VACE adds control blocks", model=vace)
 
     probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED, STEPS, CFG,
                                                     "euler", "simple", PROBE, 0)[0]
