@@ -2,15 +2,18 @@
 """Carnator at few-step schedules (4, 6, 8 steps, cfg 1: step-distilled LoRAs), at real size, random weights.
 
 Per step count N, side by side in one process, through the adapter the nodes use (ComfyRunner, euler / simple,
-cfg 1, one model call a step) and the pipeline with its defaults at such schedules (probe 1 step, the gate's own
-resume step, no gate overrides):
+cfg 1, one model call a step) and the pipeline at such schedules (probe 1 step, the gate's own resume step, no gate
+overrides, risk aggressive: the default does not reuse at 8 steps or fewer, so the hits are aggressive's):
   plain    plain ComfyUI sampling of all N steps, dense attention (Wan 2.2 A14B: the template's two samplers,
            the low-noise expert from step N/2: 2+2, 3+3, 4+4)
   miss     the same request through Carnator on an empty store (probe + the rest + write-back)
   hit      the miss's request a hair off (noise x 1.0001) through probe -> lookup -> gate -> resume, with the
            block-sparse attention the miss recorded (density budget --max-density), and again dense
+  region   the hit resumed region-only with its target forced to --region-shares of the tokens (at these step counts
+           the resume stage usually finds too few steps left for it to pay, and resumes whole-clip: the case says why)
   repeat   the identical request: its stored result, no model call
-Medians of --repeats runs (plain, miss, sparse hit). Warm-ups (dense steps, the FlexAttention compile) come first.
+Medians of --repeats runs (plain, miss, sparse hit), none with a step callback (plain sampling has none). Warm-ups
+(dense steps, the FlexAttention compile, one untimed miss per step count) come first.
 
   python3 benchmarks/few_step.py --backbone wan2.1-1.3b --out $OUT/few_step_wan21.json    # 480p x 81, one H200
   python3 benchmarks/few_step.py --backbone wan2.2-a14b --out $OUT/few_step_a14b.json     # 480p x 49, two experts
@@ -53,6 +56,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-density", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--region-shares", type=gs.shares_list, default=[0.3],
+                        help="target shares of the region-only hits (empty: none)")
     return parser.parse_args(argv)
 
 
@@ -65,11 +70,15 @@ def measure_steps(n, models, spec, args, block_size, root, log):
     positive, negative = gb.conditioning(spec, args.seed + 1), gb.conditioning(spec, args.seed + 2)
     switch = n // 2 if len(models) == 2 else None
     experts = {} if switch is None else {"low_noise_model": models[1], "switch_step": switch}
-    timer = gs.StepTimer()
+    # No step callback: plain sampling runs without one, and a timer's CUDA synchronisation at every step end would
+    # charge the miss and the hits an idle GPU at each step start that plain sampling does not pay.
     runner = ComfyRunner(models[0], positive, negative, cfg=1.0, sampler_name="euler", scheduler="simple", steps=n,
-                         seed=args.seed, step_callback=timer, **experts)
+                         seed=args.seed, **experts)
     sigmas = runner.sigmas
-    config = CarnatorConfig(probe_steps=default_probe_steps(n), block_size=block_size, max_density=args.max_density)
+    # risk aggressive: the default (balanced) does not reuse at few-step schedules (carnator_engine/few_step_gate.py);
+    # a miss is the same at every risk level, and the hits measure what a hit costs where a level does reuse
+    config = CarnatorConfig(probe_steps=default_probe_steps(n), block_size=block_size, max_density=args.max_density,
+                            risk="aggressive")
     out = {"steps": n, "probe_steps": config.probe_steps, "switch_step": switch}
 
     plain_runs = []
@@ -80,6 +89,11 @@ def measure_steps(n, models, spec, args, block_size, root, log):
     plain_s = gs.median(plain_runs)
     out["plain"] = {"seconds": plain_s, "runs_s": plain_runs}
 
+    # One untimed miss first, as plain sampling was warmed up: a schedule's first run through the pipeline (its
+    # recorders' first allocations at this size) is a process's cost, not a request's.
+    warm = generate(runner, noise, sigmas, CarnatorStore(os.path.join(root, f"n{n}_warm"), size_limit_bytes=64 << 30),
+                    config, gs.PROMPT, args.seed)
+    warm.entry_id
     miss_runs = []
     for i in range(args.repeats):       # each on an empty store; the last one's entry serves the hits
         store = CarnatorStore(os.path.join(root, f"n{n}_miss{i}"), size_limit_bytes=64 << 30)
@@ -96,7 +110,7 @@ def measure_steps(n, models, spec, args, block_size, root, log):
 
     for key, hit_config, repeats in (("hit", config, args.repeats),
                                      ("hit_dense", CarnatorConfig(probe_steps=config.probe_steps, block_size=block_size,
-                                                                  sparse_attention=False), 1)):
+                                                                  sparse_attention=False, risk="aggressive"), 1)):
         runs = []
         for _ in range(repeats):
             facts, result, _ = gs.carnator_hit(runner, store, hit_config, noise, sigmas, None, args.seed)
@@ -107,6 +121,11 @@ def measure_steps(n, models, spec, args, block_size, root, log):
                     "resume_step": runs[0]["resume_step"], "density": runs[0]["plan_mean_density"], "runs": runs}
         log(f"N={n}: {key} {seconds:.2f} s = {plain_s / seconds:.2f}x plain, k={runs[0]['resume_step']}, "
             f"{runs[0]['model_calls']} calls, density {runs[0]['plan_mean_density']:.3f}")
+
+    out["region"] = gs.region_hits(runner, store, config, noise, sigmas, None, args.seed, args.region_shares, log,
+                                   lambda latent: {"rel_diff_vs_miss": gs.rel_diff(latent, miss.latent)})
+    for case in out["region"].values():
+        case["speedup_vs_plain"] = plain_s / case["seconds"]
 
     with gs.timed() as span:
         repeat = generate(runner, noise, sigmas, store, config, gs.PROMPT, args.seed)
@@ -186,6 +205,10 @@ def print_table(out):
               f"({r['hit']['speedup_vs_plain']:.2f}x) | {r['hit']['model_calls']} of {n} | "
               f"{r['hit_dense']['seconds']:.2f} ({r['hit_dense']['speedup_vs_plain']:.2f}x) | "
               f"{r['repeat']['seconds']:.3f} ({r['repeat']['model_calls']}) |")
+    for n, r in out["results"].items():
+        for name, case in r.get("region", {}).items():
+            print(f"N={n} {name}: {case['seconds']:.2f} s ({case['speedup_vs_plain']:.2f}x plain), region-only "
+                  f"{case['region_only']}: {case['region_reason']}")
 
 
 def main(argv=None):

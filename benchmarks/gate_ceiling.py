@@ -17,6 +17,7 @@ import argparse
 import collections
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -114,12 +115,13 @@ def main(argv=None) -> int:
     stream = world.iteration_stream(args.stream, seed=args.seed, restart_every=args.restart_every,
                                     one_seed_per_session=args.fixed_seed)
     rows, store = [], None
+    scratch = tempfile.mkdtemp(prefix="carnator-ceiling-")      # each session's store, removed at the end
     started = time.perf_counter()
     for index, request in enumerate(stream):
         if index % args.restart_every == 0:
             if store is not None:
                 store.close()
-            store = CarnatorStore(tempfile.mkdtemp(prefix="carnator-ceiling-"), 1 << 30)
+            store = CarnatorStore(os.path.join(scratch, f"session-{index // args.restart_every}"), 1 << 30)
         runner = TinyDiTRunner(model, request.prompt, guidance_scale=DEMO_GUIDANCE)
         probed = probe(runner, world.initial_noise([request.seed]), sigmas, config)
         candidates = lookup(store, probed, config)
@@ -141,6 +143,7 @@ def main(argv=None) -> int:
         print(f"{index + 1}/{len(stream)} {request.edited or 'cold':10} oracle k={row['oracle_resume_step']:2d} "
               f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     store.close()
+    shutil.rmtree(scratch, ignore_errors=True)
 
     saved = lambda step: (step - args.probe_steps) / args.steps  # noqa: E731
     per_edit = collections.defaultdict(list)

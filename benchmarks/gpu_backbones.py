@@ -110,7 +110,11 @@ def parse_args(argv=None):
     parser = common_parser(__doc__.split("\n\n")[0], BACKBONES)
     parser.add_argument("--resume", type=int, default=10)
     parser.add_argument("--max-density", type=float, default=0.3)
+    parser.add_argument("--region-shares", type=gs.shares_list, default=[0.1, 0.3, 0.5],
+                        help="target shares of the region-only hits, e.g. 0.1,0.3,0.5 (empty: none)")
     parser.add_argument("--block-size", type=int, default=None, help="default 128 (32 with --smoke)")
+    parser.add_argument("--quick", action="store_true", help="plain, miss, hit and the region hits only: no attention "
+                        "share (nor the ideal speedup), no new-seed and other-conditioning probes")
     return parser.parse_args(argv)
 
 
@@ -236,19 +240,22 @@ def plain(models, switch, noise, sigmas, positive, negative, seed, callback=None
                                       negative, first, callback=callback, disable_pbar=True, seed=seed)
 
 
-class Peak:
-    """Peak GPU memory allocated inside the block (0 on the CPU)."""
+Peak = gs.Peak
 
-    def __enter__(self):
-        gs.sync()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        return self
 
-    def __exit__(self, *exc):
-        gs.sync()
-        self.bytes = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-        return False
+def attention_share(model, noise, sigmas, positive, negative, seed, timer, step_s):
+    """The share a of a plain step that self-attention takes: 1 - (a step with it a no-op) / (a plain step)."""
+    noop = model.clone()
+    options = noop.model_options.setdefault("transformer_options", {})
+    previous = options.get("optimized_attention_override")
+
+    def skip_self_attention(func, *qkv, **kwargs):          # the rest still goes through any installed override
+        chained = (lambda *a, **kw: previous(func, *a, **kw)) if previous is not None else func
+        return noop_self_attention(chained, *qkv, **kwargs)
+    options["optimized_attention_override"] = skip_self_attention
+    with gs.timed(timer):
+        gs.plain_sample(noop, noise, sigmas[:4], positive, negative, seed, callback=timer)
+    return max(0.0, min(1.0, 1.0 - gs.median(timer.step_seconds()) / step_s))
 
 
 def refused(runner, store, config, noise, sigmas):
@@ -296,17 +303,8 @@ def measure(name, spec, args, device, dtype, log):
     out["plain"] = {"seconds": full_s, "step_median_s": step_s, "peak_bytes": peak.bytes}
     log(f"{name}: plain {full_s:.2f} s (step {step_s * 1e3:.0f} ms), peak {peak.bytes / 2**30:.1f} GiB")
 
-    noop = models[0].clone()
-    options = noop.model_options.setdefault("transformer_options", {})
-    previous = options.get("optimized_attention_override")
-
-    def skip_self_attention(func, *qkv, **kwargs):          # the rest still goes through any installed override
-        chained = (lambda *a, **kw: previous(func, *a, **kw)) if previous is not None else func
-        return noop_self_attention(chained, *qkv, **kwargs)
-    options["optimized_attention_override"] = skip_self_attention
-    with gs.timed(timer):
-        gs.plain_sample(noop, noise, sigmas[:4], positive, negative, args.seed, callback=timer)
-    a = max(0.0, min(1.0, 1.0 - gs.median(timer.step_seconds()) / step_s))
+    a = math.nan if args.quick else attention_share(models[0], noise, sigmas, positive, negative, args.seed, timer,
+                                                    step_s)
     out["attention_share"] = a
 
     config = CarnatorConfig(probe_steps=p, block_size=block_size, max_density=args.max_density)
@@ -344,7 +342,15 @@ def measure(name, spec, args, device, dtype, log):
         log(f"{name}: hit {facts['seconds']:.2f} s = {out['summary']['speedup_vs_plain']:.2f}x (ideal "
             f"{out['summary']['ideal']:.2f}x, a {a:.3f}, d {d:.3f}), k {facts['resume_step']} (gate "
             f"{facts['gate_resume_step']})")
+        store.delete(result.entry_id)     # the region hits resume from the miss's entry, as the hit did
+        out["region"] = gs.region_hits(runner, store, config, noise, sigmas, k, args.seed, args.region_shares, log,
+                                       lambda latent: {"rel_diff_vs_miss": gs.rel_diff(latent, miss.latent)})
+        for case in out["region"].values():
+            case.update(speedup_vs_plain=full_s / case["seconds"],
+                        peak_vs_plain_pct=_pct(case["peak_bytes"], out["plain"]["peak_bytes"]))
 
+        if args.quick:
+            return out
         other_seed = torch.randn(spec["latent"], generator=torch.Generator().manual_seed(args.seed + 100))
         out["new_seed"] = refused(runner, store, config, other_seed, sigmas)
         other = runner.with_step_callback(None)
@@ -403,8 +409,24 @@ def print_table(out):
               f"{res['miss']['seconds']:.2f} | {res['hit']['seconds']:.2f} | {s['speedup_vs_plain']:.2f}x | "
               f"{s['ideal']:.2f}x | {s['attention_share']:.3f} | {s['density']:.3f} | "
               f"{s['probe_lookup_gate_extra_pct']:.2f} % | {gib[0]:.1f} / {gib[1]:.1f} / {gib[2]:.1f} | "
-              f"{'HIT' if res['new_seed']['reuse'] else 'refused'} | "
-              f"{'HIT' if res['other_conditioning']['reuse'] else 'refused'} |")
+              f"{verdict(res.get('new_seed'))} | {verdict(res.get('other_conditioning'))} |")
+    print_region_table({f"{name} {case_name}": case for name, res in out["results"].items()
+                        for case_name, case in res.get("region", {}).items()})
+
+
+def verdict(answer):
+    return "" if answer is None else "HIT" if answer["reuse"] else "refused"
+
+
+def print_region_table(cases):
+    """The region-only hits: seconds, speedup, the token share reached, the verdict, peak memory against plain."""
+    if not cases:
+        return
+    print("| region-only hit | seconds | vs plain | token share | region-only | peak vs plain |")
+    print("|---|---|---|---|---|---|")
+    for name, case in cases.items():
+        print(f"| {name} | {case['seconds']:.2f} | {case['speedup_vs_plain']:.2f}x | {case['region_share']} | "
+              f"{case['region_only']} | {case['peak_vs_plain_pct']:+.1f} % |")
 
 
 def run(args):

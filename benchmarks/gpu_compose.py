@@ -13,13 +13,17 @@ and miss interleaved in alternating order:
   hit                   the same request a hair off, resumed at k with the entry's sparse attention
   miss+easycache        Carnator on an empty store with EasyCache on the model: should equal easycache
   hit+easycache         its hit: steps k..N under EasyCache
+  region hit N%         the hit resumed region-only (CarnatorConfig.region_only) with its target forced to N % of
+                        the tokens, halo included (--region-shares; random weights give no target region of their own)
+  region hit N%+easycache   the same on the EasyCache model
   cfg5 plain / easycache / miss / hit   the same with cfg 5 (cond + uncond)
 Relative L2 differences are against plain (and, for miss+easycache, against easycache alone). The gate runs with
 its defaults (no overrides); a hit it accepts at another checkpoint than k is forced to k (gpu_host.carnator_hit).
 Warm-ups first, out of every timed span: 2 dense steps, then a short Carnator miss and 2 sparse steps with its
 connectivity at this shape (the block-sparse kernel's compile).
-Goals (issue 15): hit+easycache >= 3.5x plain and >= 1.6x easycache; miss+easycache within 2 % of easycache;
-the plain miss within 1 % of plain.
+Goals: hit+easycache >= 3.5x plain and >= 1.6x easycache; miss+easycache within 2 % of easycache; the plain miss
+within 1 % of plain; region-only hit >= 3.6x plain at a 30 % target and >= 5x at 10 %, with EasyCache >= 5.5x; peak
+GPU memory of every case within 10 % of plain's.
 With --attention sage every case runs with SageAttention (the `sageattention` package's Triton kernels, through
 ComfyUI's attention_sage as an optimized_attention_override, as KJNodes' "sageattn" override installs it), so each
 speedup is against plain sampling with the same patch; one extra case, "plain (default attention)", times the
@@ -40,6 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -47,8 +52,9 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import reports  # noqa: E402
-from gpu_host import (PRESETS, PROMPT, TEXT_DIM, build_model, carnator_hit, elapsed_logger,  # noqa: E402
-                       find_comfyui, host_arguments, import_comfy, median, plain_sample, rel_diff, timed)
+from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, carnator_hit, elapsed_logger,  # noqa: E402
+                       find_comfyui, host_arguments, import_comfy, median, plain_sample, region_hits, rel_diff,
+                       shares_list, timed)
 
 
 def parse_args(argv=None):
@@ -62,6 +68,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-cfg5", action="store_true")
     parser.add_argument("--repeats", type=int, default=2, help="runs of plain, miss and hit at cfg 1 (median)")
+    parser.add_argument("--region-shares", type=shares_list, default=[0.1, 0.3, 0.5],
+                        help="target shares of the region-only hits (alone and with EasyCache); empty: none")
     parser.add_argument("--attention", choices=("default", "sage"), default="default",
                         help="sage: every case with SageAttention's Triton kernels (the sageattention package)")
     return parser.parse_args(argv)
@@ -183,10 +191,10 @@ def run(args):
     def plain(m, cfg, label):
         m, calls = counted(m)
         sigmas = ComfyRunner.schedule(m, "euler", "simple", n)
-        with timed() as span:
+        with Peak() as peak, timed() as span:
             latent = plain_sample(m, noise, sigmas, positive, negative, args.seed, cfg=cfg)
         log(f"{label}: {span['seconds']:.2f} s, {calls[0]} model calls")
-        return {"seconds": span["seconds"], "model_calls": calls[0]}, latent
+        return {"seconds": span["seconds"], "model_calls": calls[0], "peak_bytes": peak.bytes}, latent
 
     def miss(m, cfg, label):
         m, calls = counted(m)
@@ -205,18 +213,38 @@ def run(args):
 
     def hit(runner, store, calls, label):
         calls[0] = 0
-        facts, result, _ = carnator_hit(runner, store, config, noise, runner.sigmas, k, args.seed)
+        with Peak() as peak:
+            facts, result, _ = carnator_hit(runner, store, config, noise, runner.sigmas, k, args.seed)
         entry_id, write_after = written(result)
         case = {"seconds": facts["seconds"], "model_calls": calls[0], "resume_step": facts["resume_step"],
                 "gate_resume_step": facts["gate_resume_step"], "density": facts["plan_mean_density"],
                 "probe_s": facts["probe_s"], "lookup_gate_s": facts["lookup_gate_s"],
                 "resume_s": facts["resume_and_write_s"], "write_after_s": write_after,
-                "summary_model_calls": result.model_calls, "step_cache_skipped": result.step_cache_skipped}
+                "summary_model_calls": result.model_calls, "step_cache_skipped": result.step_cache_skipped,
+                "peak_bytes": peak.bytes}
         store.delete(entry_id)   # a repeat resumes from the miss's entry, not from this hit's (no step k)
         log(f"{label}: {case['seconds']:.2f} s, {calls[0]} calls (probe {case['probe_s']:.2f}, lookup+gate "
             f"{case['lookup_gate_s'] * 1e3:.1f} ms, resume {case['resume_s']:.2f}), k={case['resume_step']} (gate "
             f"{case['gate_resume_step']}), density {case['density']:.3f}")
         return case, runner.to_latent_format(result.latent)
+
+    def region(runner, store, calls, reference, suffix=""):
+        """The region-only hits at every --region-shares, calls counted at the diffusion model as for the others; one
+        that fails is reported in out["region_errors"] and the run goes on (the cases before it are kept)."""
+        found = {}
+        for share in args.region_shares:
+            calls[0] = 0
+            try:
+                (name, case), = region_hits(
+                    runner, store, config, noise, runner.sigmas, k, args.seed, [share], log,
+                    lambda latent: {"rel_l2_vs_plain": rel_diff(runner.to_latent_format(latent), reference)},
+                    suffix).items()
+            except Exception:
+                out.setdefault("region_errors", {})[f"{share:.0%}{suffix}"] = traceback.format_exc()
+                log(f"region hit {share:.0%}{suffix} FAILED:\n{traceback.format_exc()}")
+                continue
+            found[name] = {**case, "model_calls": calls[0]}
+        return found
 
     def median_case(runs):
         middle = sorted(runs, key=lambda run_: run_["seconds"])[(len(runs) - 1) // 2]
@@ -269,6 +297,8 @@ def run(args):
                 hits.append(facts)
             cases[prefix + "hit"] = {**median_case(hits), "rel_l2_vs_plain": rel_diff(latents[prefix + "hit"],
                                                                                        base_latent)}
+            if cfg == 1.0:
+                cases.update(region(runner, store, calls, base_latent))
             save()
             if cfg == 1.0:   # the threshold: the one nearest 2x at cfg 1, kept for cfg 5
                 for threshold in (float(t) for t in args.easycache_thresholds.split(",")):
@@ -291,6 +321,7 @@ def run(args):
                                        "rel_l2_vs_easycache": rel_diff(miss_latent, easy_latent)}
             facts, hit_latent = hit(runner, store, calls, "hit+easycache")
             cases["hit+easycache"] = {**facts, "rel_l2_vs_plain": rel_diff(hit_latent, base_latent)}
+            cases.update(region(runner, store, calls, base_latent, "+easycache"))
             save()
     finally:
         for store in stores:
@@ -302,6 +333,8 @@ def run(args):
         easy = cases.get("cfg5 easycache" if name.startswith("cfg5") else "easycache")
         if easy is not None:
             case["speedup_vs_easycache"] = easy["seconds"] / case["seconds"]
+        if case.get("peak_bytes") and base.get("peak_bytes"):
+            case["peak_vs_plain_pct"] = 100 * (case["peak_bytes"] / base["peak_bytes"] - 1)
     out["miss_extra_pct_vs_plain"] = 100 * (cases["miss"]["seconds"] / cases["plain"]["seconds"] - 1)
     out["miss_easycache_extra_pct_vs_easycache"] = 100 * (cases["miss+easycache"]["seconds"]
                                                           / cases["easycache"]["seconds"] - 1)
@@ -324,13 +357,16 @@ def print_table(out):
           f"EasyCache reuse_threshold {out['easycache_threshold']:g} (start {c['easycache_start']:g}, end "
           f"{c['easycache_end']:g}; sweep: " + ", ".join(f"{t}: {v['model_calls']} calls"
                                                         for t, v in out["easycache_sweep"].items()) + ")")
-    print(f"| {'case':22} | {'seconds':>8} | {'calls':>5} | {'vs plain':>8} | {'vs EasyCache':>12} | {'rel L2 vs plain':>15} |")
-    print(f"|{'-' * 24}|{'-' * 10}|{'-' * 7}|{'-' * 10}|{'-' * 14}|{'-' * 17}|")
+    print(f"| {'case':26} | {'seconds':>8} | {'calls':>5} | {'vs plain':>8} | {'vs EasyCache':>12} | "
+          f"{'rel L2 vs plain':>15} | {'peak vs plain':>13} | {'token share':>11} |")
+    print(f"|{'-' * 28}|{'-' * 10}|{'-' * 7}|{'-' * 10}|{'-' * 14}|{'-' * 17}|{'-' * 15}|{'-' * 13}|")
     for name, case in out["cases"].items():
-        rel = case.get("rel_l2_vs_plain")
-        print(f"| {name:22} | {case['seconds']:8.2f} | {case['model_calls']:>5} | {case['speedup_vs_plain']:>7.2f}x | "
+        rel, peak = case.get("rel_l2_vs_plain"), case.get("peak_vs_plain_pct")
+        share = case.get("region_share") if case.get("region_only") else None
+        print(f"| {name:26} | {case['seconds']:8.2f} | {case['model_calls']:>5} | {case['speedup_vs_plain']:>7.2f}x | "
               f"{case.get('speedup_vs_easycache', math.nan):>11.2f}x | "
-              f"{'' if rel is None else f'{rel:.2e}':>15} |")
+              f"{'' if rel is None else f'{rel:.2e}':>15} | {'' if peak is None else f'{peak:+.1f} %':>13} | "
+              f"{'' if share is None else f'{share:.3f}':>11} |")
     miss = out["cases"]["miss+easycache"]
     print(f"miss+easycache vs easycache alone: rel L2 {miss['rel_l2_vs_easycache']:.2e}, "
           f"{out['miss_easycache_extra_pct_vs_easycache']:+.2f} % time; plain miss {out['miss_extra_pct_vs_plain']:+.2f} "

@@ -42,6 +42,14 @@ def host_arguments(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def shares_list(text):
+    """'0.1,0.3' -> [0.1, 0.3] (--region-shares): target shares in (0, 1)."""
+    shares = [float(part) for part in text.split(",") if part.strip()]
+    if any(not 0 < share < 1 for share in shares):
+        raise argparse.ArgumentTypeError(f"target shares must lie in (0, 1), got {text!r}")
+    return shares
+
+
 # ---- host --------------------------------------------------------------------------------------
 
 def comfyui_checkout(explicit=None):
@@ -281,9 +289,61 @@ class SparseCounter:
         self.cls.attend = self.original
 
 
-def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed):
+class Peak:
+    """Peak GPU memory allocated inside the block (0 on the CPU)."""
+
+    def __enter__(self):
+        sync()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        sync()
+        self.bytes = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        return False
+
+
+def forced_target(layout, latent_shape, share):
+    """[F, H, W] latent target: the top rows of every frame, as many as make `share` of the tokens together with the
+    region-only halo below them (random weights give no target region of their own)."""
+    from carnator_engine.resume import REGION_HALO
+    frames, rows, cols = layout.token_grid(latent_shape)
+    token_rows = max(1, round(share * rows) - REGION_HALO[1])
+    mask = torch.zeros(tuple(latent_shape[-3:]), dtype=torch.bool)
+    mask[:, : token_rows * layout.patch_size[1]] = True
+    return mask
+
+
+def region_hits(runner, store, config, noise, sigmas, resume_step, seed, shares, log, difference, suffix=""):
+    """{"region hit 30%": facts, ...}: the region-only hit (CarnatorConfig.region_only) at each target share, its peak
+    memory, the share and verdict the resume stage reached, and difference(its latent) (a dict); each hit's own
+    entry removed after it (the next resumes from the miss's)."""
+    import dataclasses
+    region_config = dataclasses.replace(config, region_only=True, region_max_share=0.6)
+    cases = {}
+    for share in shares:
+        with Peak() as peak:
+            facts, result, _ = carnator_hit(runner, store, region_config, noise, sigmas, resume_step, seed,
+                                            target_share=share)
+        entry_id = result.entry_id
+        if entry_id:
+            store.delete(entry_id)
+        numbers = result.decision.numbers
+        name = f"region hit {share:.0%}{suffix}"
+        cases[name] = {**facts, "peak_bytes": peak.bytes, "region_only": numbers.get("region_only"),
+                       "region_share": numbers.get("region_share"), "region_steps": numbers.get("region_steps"),
+                       "region_reason": next((r for r in reversed(result.decision.reasons) if "region" in r or
+                                              "whole-clip" in r), ""), **difference(result.latent)}
+        log(f"{name}: {facts['seconds']:.2f} s, region-only {numbers.get('region_only')}, token share "
+            f"{numbers.get('region_share')}, peak {peak.bytes / 2**30:.1f} GiB")
+    return cases
+
+
+def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed, target_share=None):
     """probe -> lookup -> gate -> (resume at k) -> write-back; returns timings and facts. The request is the miss's
-    a hair off (noise x 1.0001): the identical one would be an exact repeat, answered without the gate."""
+    a hair off (noise x 1.0001): the identical one would be an exact repeat, answered without the gate. With
+    `target_share`, the target region is forced to that share of the tokens (forced_target)."""
     from carnator_engine import pipeline
     from carnator_engine.attention.connectivity import plan_from_tensors
     from carnator_engine.localize import latent_mask
@@ -303,6 +363,9 @@ def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed):
             raise RuntimeError(f"entry has no checkpoint at step {resume_step}")
         decision.resume_step = resume_step
         decision.reasons.append(f"benchmark: resume step forced from {gate_step} to {resume_step}")
+    if target_share is not None:
+        decision.target_cells = forced_target(runner.layout, probed.latent.shape, target_share)
+        decision.reasons.append(f"benchmark: target region forced to {target_share:.0%} of the tokens")
     with warnings.catch_warnings(record=True) as caught, timed() as resume_span:
         warnings.simplefilter("always")
         counter = SparseCounter()

@@ -137,6 +137,7 @@ def run(args):
     import comfy.sample
     import comfy.sampler_helpers
     from carnator_engine import pipeline
+    from carnator_engine.attention.connectivity import ConnectivityRecorder
     from carnator_engine.hosts.comfyui import ComfyRunner
     from carnator_engine.pipeline import CarnatorConfig, generate
     from carnator_engine.store import CarnatorStore
@@ -163,8 +164,8 @@ def run(args):
         "pipeline.decide": (pipeline, "decide"),
         "pipeline._queue_write": (pipeline, "_queue_write"),
         "SignatureRecorder.signature": (pipeline.SignatureRecorder, "signature"),
-        "ConnectivityRecorder.self_attention": (pipeline.ConnectivityRecorder, "self_attention"),
-        "ConnectivityRecorder.tensors": (pipeline.ConnectivityRecorder, "tensors"),
+        "ConnectivityRecorder.self_attention": (ConnectivityRecorder, "self_attention"),
+        "ConnectivityRecorder.tensors": (ConnectivityRecorder, "tensors"),
         "runner.preview": (ComfyRunner, "preview"),
     })
     stores = []

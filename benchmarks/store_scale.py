@@ -183,13 +183,46 @@ print(json.dumps({{"seconds": time.perf_counter() - started, "rss": rss() - befo
 """
 
 
+# How the opens are measured: "fresh", in a new interpreter (a worker's cost); "fork", in a child forked from this
+# process (the same code without an interpreter start: for a smoke run, whose figures are not reported)
+OPEN_WITH = "fresh"
+
+
 def open_in_a_fresh_process(location: str, rebuild: bool, blob_dir: str = "") -> dict:
     """What opening the store costs a worker: seconds, and how much the process grew (index and all)."""
     import subprocess
     code = OPENER.format(root=ROOT, threads=torch.get_num_threads(), page=os.sysconf("SC_PAGE_SIZE"),
                          rebuild=rebuild, location=location, blob_dir=blob_dir)
+    if OPEN_WITH == "fork":
+        return json.loads(_run_forked(code).strip().splitlines()[-1])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _run_forked(code: str) -> str:
+    """What `code` prints, run in a forked child (torch single-threaded there: a pool started before a fork hangs)."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            os.close(read_end)
+            os.dup2(write_end, 1)
+            sys.stdout = open(1, "w", closefd=False)
+            torch.set_num_threads(1)
+            exec(compile(code, "<open>", "exec"), {"__name__": "__open__"})
+            status = 0
+        finally:
+            sys.stdout.flush()
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end) as output:
+        printed = output.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"the forked open failed (exit status {os.waitstatus_to_exitcode(status)})")
+    return printed
 
 
 def measure(location: str, signatures: Signatures, size: int, queries: int, puts: int, blob_dir: str = "") -> dict:
@@ -340,8 +373,13 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary stores (17 GB at 100k entries on disk) to profile them afterwards")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--open-with", choices=("fresh", "fork"), default="fresh",
+                        help="measure each open in a fresh interpreter (default, a worker's cost) or in a forked "
+                             "child (a smoke run: no interpreter start)")
     parser.add_argument("--out", default="benchmarks/results/store/store_scale.json")
     args = parser.parse_args(argv)
+    global OPEN_WITH
+    OPEN_WITH = args.open_with
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = sorted(int(s) for s in args.sizes.split(","))

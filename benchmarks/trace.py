@@ -315,8 +315,12 @@ def main(argv=None) -> int:
     parser.add_argument("--step-cache-start", type=float, default=0.15)
     parser.add_argument("--text-threshold", type=float, default=0.90)
     parser.add_argument("--text-resume-step", type=int, default=10)
-    parser.add_argument("--text-embedding-cache", help="file of the text baseline's prompt embeddings (quality.py)")
+    parser.add_argument("--text-embedding-cache", help="file of the text baseline's prompt embeddings (quality.py); "
+                        "the trace's are committed, benchmarks/results/quality/trace_text_embeddings.pt, for a "
+                        "machine that cannot download the sentence encoder")
     parser.add_argument("--max-density", type=float, default=1.0)
+    parser.add_argument("--region-max-share", type=float, default=quality.CarnatorConfig.region_max_share,
+                        help="largest target share resumed region-only (the region methods)")
     parser.add_argument("--gate", dest="gate_overrides", type=quality.gate_overrides, default={},
                         help="gate settings over every Carnator method's preset, e.g. refuse_subject_change=true")
     parser.add_argument("--device", default="cpu", help="where the demo model runs (cpu, cuda)")

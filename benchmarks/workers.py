@@ -275,13 +275,19 @@ def main(argv=None) -> int:
                                                               "check")
     parser.add_argument("--grace-s", type=float, default=None,
                         help="the farm's grace periods in seconds (default: the store's own, 60 s and 600 s)")
+    parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
+                        help="how workers start: spawn (default: fresh interpreters, as separate workers are) or fork "
+                             "(from this process's imports: seconds instead of tens on a busy machine, for a smoke "
+                             "run)")
     parser.add_argument("--out", default="benchmarks/results/store/workers.json")
     args = parser.parse_args(argv)
     stream = world.iteration_stream(args.users * args.session, seed=args.seed, restart_every=args.session,
                                     one_seed_per_session=args.fixed_seed)
     sessions = [stream[u * args.session:(u + 1) * args.session] for u in range(args.users)]
-    root = tempfile.mkdtemp(prefix="carnator-workers-")
-    context = mp.get_context("spawn")
+    # the Redis servers' and the workers' folders, removed when main returns or fails (the finalizer)
+    scratch = tempfile.TemporaryDirectory(prefix="carnator-workers-")
+    root = scratch.name
+    context = mp.get_context(args.start_method)
     results, load = {}, os.getloadavg()
     for setting in [s for s in args.settings.split(",") if s]:
         server = RedisServer(os.path.join(root, f"redis-{setting}"), appendonly=True).start() \
@@ -327,6 +333,7 @@ def main(argv=None) -> int:
                    "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
                    "results": results}, handle, indent=2)
     print(f"wrote {args.out}")
+    scratch.cleanup()
     return 0
 
 

@@ -9,7 +9,8 @@ judged by what the model has already started to generate. A candidate is reused 
 The resume step k shrinks as risk grows, and snaps to a step the entry holds a checkpoint for.
 Every decision carries its numbers and its reasons.
 
-Few-step schedules (at most FEW_STEPS steps: step-distilled LoRAs at cfg 1) are judged by the same limits, but
+Few-step schedules (at most FEW_STEPS steps: step-distilled LoRAs at cfg 1) probed for one step, their default, are
+not reused at the safe and balanced levels (few_step_gate.py says why). Otherwise they are judged by the same limits, but
 each step there is a large part of the request: resuming one step earlier costs 12-25 % of the speed-up, so k is
 the furthest step the risk level allows (few_step_resume_fraction), never shrunk and never preceded by a midway
 refine call; where even that saves fewer than min_saved_steps calls, the gate refuses.
@@ -22,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from . import few_step_gate
 from .localize import target_cells
 
 RISK_LEVELS = ("safe", "balanced", "aggressive")
@@ -45,6 +47,10 @@ class GatePolicy:
     # final clip, so the target region's jump is accurate from further on; and at 4 steps only k = 3 pays.
     few_step_resume_fraction: float = 0.75
     min_saved_steps: int = 2     # a hit must save at least this many model calls
+    # Whether to reuse at all at FEW_STEPS steps or fewer after a one-step probe (their default; an exact repeat is
+    # answered either way). Off for safe and balanced: there the reuse made requests wrong that no limit told apart
+    # (few_step_gate.py has the measurements).
+    few_step_reuse: bool = False
     # One model call midway (on the cached latent with the target region jumped there) re-estimates the
     # target region before its jump to k, instead of one long jump from the probe's blurry estimate.
     # On by default: on the evaluation world's 8 pooled request sets (benchmarks/RESULTS.md) it made fewer requests
@@ -108,7 +114,7 @@ RISK_POLICIES = {
                            few_step_resume_fraction=0.75),
     "aggressive": GatePolicy(max_hidden=0.040, max_attention=0.18, max_context=0.40, max_context_share=0.85,
                              cell_threshold=0.40, max_target_fraction=0.65, max_resume_fraction=0.65,
-                             few_step_resume_fraction=0.8),
+                             few_step_resume_fraction=0.8, few_step_reuse=True),
 }
 
 
@@ -280,6 +286,8 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
         options = f" (this model: {model_text})" if model_text else ""
         return Decision(False, risk, steps, probe_steps, probe_steps,
                         reasons=[f"no earlier generation of this model, shape and schedule is in the cache{options}"])
+    if few_step(steps) and probe_steps == 1 and not policy.few_step_reuse:
+        return Decision(False, risk, steps, probe_steps, probe_steps, reasons=[few_step_gate.refusal(steps)])
     best, rejected = None, []
     for candidate in candidates:
         resume, refine, cells, numbers, reasons = _assess(candidate, policy, steps, probe_steps)
@@ -296,3 +304,28 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
     entry_id, numbers, reasons = rejected[0]
     return Decision(False, risk, steps, probe_steps, probe_steps, numbers=numbers,
                     reasons=[f"nearest entry {entry_id} rejected"] + reasons)
+
+
+def region_only_verdict(share: float, max_share: float, decision: Decision, full_steps: int,
+                        tail_steps: int) -> tuple:
+    """(region-only?, reason) for a hit whose target tokens (halo included) are `share` of the clip.
+
+    Region-only pays where the steps that run the target alone outweigh its full steps: a step costs about its share
+    of the tokens (the linear layers and attention's queries both scale with it), and `full_steps` of the resumed
+    steps (the keys and values of the other tokens) and the last `tail_steps` (the seams) run every token. Beyond
+    `max_share`, the cached rest is too small a part of the clip to hold it: whole-clip resume, which recomputes it."""
+    calls_before = decision.probe_steps + (decision.refine_step is not None)
+    resumed = decision.steps - decision.resume_step
+    region_steps = resumed - full_steps - tail_steps
+    whole = calls_before + resumed
+    region = calls_before + full_steps + tail_steps + max(0, region_steps) * share
+    text = (f"target tokens with their halo: {share:.1%} of the clip; region-only resume costs about {region:.1f} "
+            f"full model calls against {whole} for whole-clip resume")
+    if share == 0:
+        return False, (f"no target tokens: the cached request covers the whole clip, and whole-clip resume "
+                       f"recomputes it under this request's conditioning")
+    if not share <= max_share:
+        return False, f"{text}, but the target is over the region-only limit of {max_share:.0%}: whole-clip resume"
+    if region_steps < 1 or region > 0.9 * whole:
+        return False, f"{text}: region-only saves under 10 % here, whole-clip resume"
+    return True, f"{text}: region-only resume, expected {decision.steps / region:.2f}x"

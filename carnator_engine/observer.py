@@ -61,6 +61,7 @@ class GenerationObserver:
     connectivity: Optional[object] = None   # connectivity.ConnectivityRecorder
     checkpoints: Optional[CheckpointRecorder] = None
     sparse: Optional[object] = None         # sparse_attention.BlockSparseAttention
+    region: Optional[object] = None         # region.RegionTokens: a region-only resume's tokens
     step: int = -1
     steps_run: int = 0                      # sampler steps evaluated (a step cache may answer some itself)
     forwards: int = 0                       # diffusion model forwards, as runners that count them report
@@ -70,11 +71,15 @@ class GenerationObserver:
     def begin_step(self, step: int, x: torch.Tensor) -> None:
         self.step = step
         self.steps_run += 1
+        if self.region is not None:
+            self.region.begin_step(step)
         if self.checkpoints is not None:
             self.checkpoints.record(step, x)
 
     def forward(self) -> None:
         self.forwards += 1
+        if self.region is not None:
+            self.region.forward()
 
     def block_output(self, block_index: int, hidden: torch.Tensor) -> None:
         if self.signature is not None:
@@ -90,6 +95,10 @@ class GenerationObserver:
             self.signature.self_attention(self.step, block_index, video_q, video_k)
         if self.connectivity is not None:
             self.connectivity.self_attention(self.step, block_index, video_q, video_k)
+        if self.region is not None:
+            k, v = self.region.attention_inputs(block_index, q, k, v)
+            if self.region.active:     # target queries over every key: the cached plan is for whole-clip steps
+                return dense(q, k, v)
         if self.sparse is not None and block_index in self.sparse.connectivities:
             return self.sparse.attend(block_index, q, k, v, video_tokens=video_tokens)
         return dense(q, k, v)

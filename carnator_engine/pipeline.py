@@ -10,8 +10,9 @@ runs steps [start, end) and returns the latent entering `end`, and `preview(late
 [3, H, W] in [-1, 1] for the thumbnail. Optional: `uncacheable` (why this model must be generated without
 the cache: an option its fingerprint cannot read), `model_text` (the model's options, for people),
 `step_cache` (the per-request step cache running inside, by name), `counts_forwards` (the runner reports
-each diffusion-model forward to observer.forward(); otherwise a step counts as one call) and
-`changed_since_fingerprint()` (why the model no longer matches its fingerprint, "" when it does).
+each diffusion-model forward to observer.forward(); otherwise a step counts as one call),
+`changed_since_fingerprint()` (why the model no longer matches its fingerprint, "" when it does) and
+`fresh_step_cache()` (the next run starts its step cache afresh: after a region-only run, resume.py).
 """
 from __future__ import annotations
 
@@ -27,12 +28,11 @@ from typing import Optional
 import torch
 
 from . import gate as gate_module
-from .attention.connectivity import ConnectivityRecorder, plan_from_tensors
+from . import resume as resume_stage
 from .store.index import Candidate, bucket_difference, bucket_key, bucket_parts, nearest
-from .localize import latent_mask
 from .observer import CheckpointRecorder, GenerationObserver
 from .preview import thumbnail_png
-from .resume import resume_latent
+from .resume import follow_entry
 from .signature import EarlySignature, SignatureRecorder
 from .store import CarnatorStore, StoreError, TrajectoryPayload, new_entry_id
 from .store.vectors import warm_denoised_projection
@@ -50,6 +50,11 @@ class CarnatorConfig:
     max_density: float = 1.0        # budget: share of key blocks a query block may keep (1 = mass alone decides)
     sparse_attention: bool = True   # ablation switch: resume with dense attention
     localize: bool = True           # ablation switch: copy the whole cached latent, no target region
+    # Region-only resume (docs/region-resume.md): a hit's resumed steps run the target tokens and a halo only, the
+    # rest of the clip follows the cached request; off until the evaluation world's pooled check clears it.
+    region_only: bool = False
+    region_max_share: float = 0.5   # beyond this share of the clip's tokens (halo included): whole-clip resume
+    region_full_steps: int = 1      # last steps that run every token again, blending the seam
     max_checkpoints: int = 12
     lookup_limit: int = 3
     gate_overrides: dict = field(default_factory=dict)
@@ -71,6 +76,14 @@ class CarnatorConfig:
         if not 0.0 < self.max_density <= 1.0:
             raise ValueError(f"max_density={self.max_density} must be in (0, 1]: the share of key blocks "
                              "each query block of the cached sparse attention may keep")
+        if not isinstance(self.region_only, bool):
+            raise ValueError(f"region_only must be True or False, got {self.region_only!r}")
+        if not 0.0 < self.region_max_share <= 1.0:
+            raise ValueError(f"region_max_share={self.region_max_share} must be in (0, 1]: the largest share of the "
+                             "clip's tokens a region-only resume computes")
+        if not isinstance(self.region_full_steps, int) or self.region_full_steps < 0:
+            raise ValueError(f"region_full_steps={self.region_full_steps!r} must be a whole number >= 0: the last "
+                             "steps of a region-only resume that run every token")
         if self.max_checkpoints < 1:
             raise ValueError(f"max_checkpoints must be >= 1, got {self.max_checkpoints}")
         self.policy()
@@ -334,73 +347,23 @@ def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
     return decision
 
 
-def follow_entry(runner, probed: ProbeResult, decision: gate_module.Decision, payload: TrajectoryPayload,
-                 config: CarnatorConfig, observer: GenerationObserver) -> torch.Tensor:
-    """A hit's steps: the cached trajectory from the resume step on, the target region the request's own."""
-    k = decision.resume_step
-    fhw = probed.latent.shape[-3:]
-    if config.localize:
-        target = latent_mask(decision.target_cells, fhw)
-    else:
-        target = torch.zeros(tuple(fhw), dtype=torch.bool)
-    if config.sparse_attention and payload.connectivity:
-        observer.sparse = plan_from_tensors(payload.connectivity, runner.layout.tokens_from_latent_mask(target))
-    sigmas = probed.sigmas
-    own, denoised, at = probed.latent, probed.denoised, probed.probe_steps
-    if decision.refine_step is not None:
-        m = decision.refine_step
-        x = resume_latent(own, denoised, float(sigmas[at]), float(sigmas[m]), payload.checkpoints[m], target)
-        own, denoised, at = runner.run(x, sigmas, m, m + 1, observer), observer.last_denoised, m + 1
-    x = resume_latent(own, denoised, float(sigmas[at]), float(sigmas[k]), payload.checkpoints[k], target)
-    return runner.run(x, sigmas, k, probed.steps, observer)
-
-
 def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
-              config: CarnatorConfig):
-    """Runs the rest of the trajectory; returns (decision followed, latent, observer, connectivity state to store):
-    a hit whose entry cannot be read becomes a full generation."""
-    steps = probed.steps
+              config: CarnatorConfig) -> resume_stage.Finished:
+    """Reads the chosen entry and has the resume stage finish the request: a hit whose entry cannot be read becomes
+    a full generation; the stage's warnings (an entry that does not fit, region-only not possible) reach the result."""
+    payload = None
     if decision.reuse:
         payload = _read(store, f"reading entry {decision.entry_id}",
                         lambda: store.trajectory(store.record(decision.entry_id)))
         if payload is None:   # corrupt, missing, or deleted/evicted since the gate chose it
-            decision = _full_generation(decision, probed, f"entry {decision.entry_id} could not be read")
-        elif unfit := _unfit(payload, decision, probed):
-            store.report_problem(f"entry {decision.entry_id} {unfit}: this request is generated in full")
-            decision = _full_generation(decision, probed, f"entry {decision.entry_id} does not fit this request")
-    keep = frozenset(s for s in checkpoint_steps(steps, probed.probe_steps, config.max_checkpoints)
-                     if s > decision.resume_step)
-    observer = GenerationObserver(checkpoints=CheckpointRecorder(keep))
-    if not decision.reuse:
-        record_step = max(probed.probe_steps, int(0.3 * steps))
-        observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass,
-                                                     config.max_density)
-        latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, steps, observer)
-        return decision, latent, observer, observer.connectivity.tensors()
-
-    latent = follow_entry(runner, probed, decision, payload, config, observer)
-    _record_hit(store, decision)
-    return decision, latent, observer, payload.connectivity
-
-
-def _unfit(payload: TrajectoryPayload, decision: gate_module.Decision, probed: ProbeResult) -> str:
-    """Why a chosen entry's trajectory cannot continue this request ("" when it can): a checkpoint the decision
-    resumes from is missing, or its latent shape is not the request's (an entry a bucket should never have held)."""
-    needed = [decision.resume_step] + ([decision.refine_step] if decision.refine_step is not None else [])
-    missing = [step for step in needed if step not in payload.checkpoints]
-    if missing:
-        return f"has no checkpoint at step {missing[0]}"
-    shape = tuple(probed.latent.shape)
-    wrong = [step for step in needed if tuple(payload.checkpoints[step].shape) != shape]
-    if wrong:
-        return (f"holds a latent of shape {list(payload.checkpoints[wrong[0]].shape)} at step {wrong[0]}, but this "
-                f"request's latent has shape {list(shape)}")
-    return ""
-
-
-def _full_generation(decision: gate_module.Decision, probed: ProbeResult, why: str) -> gate_module.Decision:
-    return dataclasses.replace(decision, reuse=False, exact_repeat=False, entry_id=None, target_cells=None,
-                               refine_step=None, resume_step=probed.probe_steps, reasons=[why])
+            decision = resume_stage.full_generation(decision, probed, f"entry {decision.entry_id} could not be read")
+    finished = resume_stage.finish(runner, probed, decision, payload, config,
+                                   checkpoint_steps(probed.steps, probed.probe_steps, config.max_checkpoints))
+    for warning in finished.warnings:
+        store.report_problem(warning)
+    if finished.decision.reuse:
+        _record_hit(store, finished.decision)
+    return finished
 
 
 def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
@@ -416,7 +379,7 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
         log.warning("carnator: %s", why)
         probed = dataclasses.replace(probed, uncacheable=why)
         if decision.reuse:
-            decision = _full_generation(decision, probed, why)
+            decision = resume_stage.full_generation(decision, probed, why)
     if decision.exact_repeat:
         held = probed.repeat is not None and probed.repeat[0] == decision.entry_id
         final = probed.repeat[1] if held else _stored_final(store, decision.entry_id)
@@ -425,8 +388,9 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
             return _replayed(final.to(device), decision, store,
                              {"probe": probed.seconds, "replay": time.perf_counter() - started}, probed)
         warnings.append(f"entry {decision.entry_id} could not be replayed: this request was generated in full")
-        decision = _full_generation(decision, probed, warnings[-1])
-    decision, latent, observer, connectivity = _continue(runner, probed, decision, store, config)
+        decision = resume_stage.full_generation(decision, probed, warnings[-1])
+    finished = _continue(runner, probed, decision, store, config)
+    decision, latent, observer = finished.decision, finished.latent, finished.observer
     seconds = {"probe": probed.seconds, "resume": time.perf_counter() - started}
     cost = {"model_calls": probed.model_calls + _calls(runner, observer), "steps_run": probed.probe_steps +
             observer.steps_run, "step_cache": getattr(runner, "step_cache", None),
@@ -445,7 +409,8 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
                      extra={"decision": {**decision.summary(), **cost}, "bucket": probed.bucket_parts,
                             "model": model_name or runner.model_fingerprint[:12]},
                      request_key=probed.request_key)
-        storing = _queue_write(store, entry, observer.checkpoints, connectivity, latent, runner.preview(latent))
+        storing = _queue_write(store, entry, observer.checkpoints, finished.connectivity, latent,
+                               runner.preview(latent))
         if probed.store_fault:      # a store this request could not read: the write's outcome is this request's to
             storing.wait()          # tell (stored or not), not a warning on the next one
             warnings += store.drain_problems()

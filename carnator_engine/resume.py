@@ -1,13 +1,41 @@
-"""Trajectory Resume: the latent and the attention plan a hit continues with.
+"""Trajectory Resume: finishes a request, from the cached trajectory on a hit, from its probe state on a miss.
 
-The latent entering resume step k is the cached trajectory's, except in the target region, where
-it is the request's own: its probe state jumped along its own flow path to sigma_k.
+A hit's latent entering resume step k is the cached trajectory's, except in the target region, where it is the
+request's own: its probe state jumped along its own flow path to sigma_k (after one model call midway, the refine
+step, when the gate asks for it). From there either
+- whole-clip resume: every token goes through the network for steps k..N, or
+- region-only resume (CarnatorConfig.region_only, region.py): the target tokens and a halo go through it; the rest of
+  the clip follows the cached request's own flow line to its stored final latent, and its keys and values come from
+  the full steps (the first resumed step, and the first of a new expert). The last `region_full_steps` steps run
+  every token again, which blends the seam between the two.
+A hit that cannot follow its entry (a checkpoint missing, another latent shape) is generated in full; one that
+cannot go region-only (no stored final latent, too large a target) resumes whole-clip; each with its reason.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 
+from . import gate as gate_module
+from .attention.connectivity import ConnectivityRecorder, plan_from_tensors
+from .localize import latent_mask
+from .observer import CheckpointRecorder, GenerationObserver
+from .region import RegionTokens, latent_mask_of_tokens, target_tokens
 from .schedule import jump
+
+REGION_HALO = (0, 1, 1)   # tokens (frames, rows, cols) around the target computed with it: the seam's ring
+
+
+@dataclass
+class Finished:
+    decision: gate_module.Decision      # the decision followed (a fallback replaces the gate's)
+    latent: torch.Tensor
+    observer: GenerationObserver
+    connectivity: dict                  # the attention connectivity to store with the generation
+    warnings: list = field(default_factory=list)
 
 
 def resume_latent(probe_latent: torch.Tensor, probe_denoised: torch.Tensor, sigma_probe: float,
@@ -22,3 +50,132 @@ def resume_latent(probe_latent: torch.Tensor, probe_denoised: torch.Tensor, sigm
     own = jump(probe_latent, denoised, sigma_probe, sigma_resume)
     return torch.where(target.to(own.device)[None, None], own, cached)
 
+
+def finish(runner, probed, decision: gate_module.Decision, payload, config, checkpoint_steps: list) -> Finished:
+    """The rest of the request. `payload` is the chosen entry's trajectory (None on a miss, or when it could not be
+    read: then `decision` already says so); `checkpoint_steps` the steps whose latents the new entry may keep."""
+    warnings = []
+    if decision.reuse and (unfit := unfit_entry(payload, decision, probed)):
+        warnings.append(f"entry {decision.entry_id} {unfit}: this request is generated in full")
+        decision = full_generation(decision, probed, f"entry {decision.entry_id} does not fit this request")
+    observer = GenerationObserver(checkpoints=CheckpointRecorder(
+        frozenset(s for s in checkpoint_steps if s > decision.resume_step)))
+    if not decision.reuse:
+        record_step = max(probed.probe_steps, int(0.3 * probed.steps))
+        observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass,
+                                                     config.max_density)
+        latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, probed.steps, observer)
+        return Finished(decision, latent, observer, observer.connectivity.tensors(), warnings)
+    region = None
+    if getattr(config, "region_only", False):
+        decision, region, problem = plan_region(runner, probed, decision, payload, config)
+        warnings += [problem] if problem else []
+    latent = follow_entry(runner, probed, decision, payload, config, observer, region)
+    if region is not None and region.missing:
+        warnings.append(f"region-only resume: {region.missing}")
+    return Finished(decision, latent, observer, payload.connectivity, warnings)
+
+
+def plan_region(runner, probed, decision: gate_module.Decision, payload, config) -> tuple:
+    """(decision with the region verdict in its reasons, RegionTokens or None, warning or ""). Region-only needs the
+    entry's final latent (the end of the cached rest's flow line) in this request's shape; without it the hit resumes
+    whole-clip with a warning."""
+    fhw = tuple(probed.latent.shape[-3:])
+    final = payload.final
+    if final is None or tuple(final.shape) != tuple(probed.latent.shape):
+        why = ("holds no final latent" if final is None else
+               f"holds a final latent of shape {list(final.shape)}, not this request's {list(probed.latent.shape)}")
+        reason = f"region-only resume not possible: entry {decision.entry_id} {why}; whole-clip resume"
+        return _with_reason(decision, reason, {}), None, reason
+    tokens = target_tokens(runner.layout, latent_mask(decision.target_cells, fhw), REGION_HALO)
+    share = float(tokens.float().mean())
+    full = _full_steps(runner, decision, config)
+    tail = min(config.region_full_steps, decision.steps - decision.resume_step - 1)
+    ok, reason = gate_module.region_only_verdict(share, config.region_max_share, decision, len(full), tail)
+    region_steps = max(0, decision.steps - decision.resume_step - len(full) - tail) if ok else 0
+    decision = _with_reason(decision, reason, {"region_share": round(share, 4), "region_only": ok,
+                                               "region_steps": region_steps})
+    return decision, (RegionTokens(tokens, full) if ok else None), ""
+
+
+def _full_steps(runner, decision: gate_module.Decision, config) -> frozenset:
+    """Resumed steps that run every token and capture the others' keys and values: the first, and the first of the
+    low-noise expert (its keys differ from the high-noise expert's)."""
+    steps = {decision.resume_step}
+    switch = getattr(runner, "switch_step", None)
+    if switch is not None and decision.resume_step < switch < decision.steps - config.region_full_steps:
+        steps.add(int(switch))
+    return frozenset(steps)
+
+
+def _with_reason(decision: gate_module.Decision, reason: str, numbers: dict) -> gate_module.Decision:
+    return dataclasses.replace(decision, reasons=decision.reasons + [reason], numbers={**decision.numbers, **numbers})
+
+
+def follow_entry(runner, probed, decision: gate_module.Decision, payload, config, observer: GenerationObserver,
+                 region: Optional[RegionTokens] = None) -> torch.Tensor:
+    """A hit's steps: the cached trajectory from the resume step on, the target region the request's own; with
+    `region`, steps k..N-region_full_steps run the target tokens only (region_only_steps)."""
+    k = decision.resume_step
+    fhw = probed.latent.shape[-3:]
+    if config.localize:
+        target = latent_mask(decision.target_cells, fhw)
+    else:
+        target = torch.zeros(tuple(fhw), dtype=torch.bool)
+    if config.sparse_attention and payload.connectivity:
+        observer.sparse = plan_from_tensors(payload.connectivity, runner.layout.tokens_from_latent_mask(target))
+    sigmas = probed.sigmas
+    own, denoised, at = probed.latent, probed.denoised, probed.probe_steps
+    if decision.refine_step is not None:
+        m = decision.refine_step
+        x = resume_latent(own, denoised, float(sigmas[at]), float(sigmas[m]), payload.checkpoints[m], target)
+        own, denoised, at = runner.run(x, sigmas, m, m + 1, observer), observer.last_denoised, m + 1
+    x = resume_latent(own, denoised, float(sigmas[at]), float(sigmas[k]), payload.checkpoints[k], target)
+    if region is not None:
+        x, k = region_only_steps(runner, x, sigmas, k, payload, region, config.region_full_steps, observer)
+    return runner.run(x, sigmas, k, probed.steps, observer)
+
+
+def region_only_steps(runner, x: torch.Tensor, sigmas: torch.Tensor, k: int, payload, region: RegionTokens,
+                      full_tail: int, observer: GenerationObserver) -> tuple:
+    """Steps k..N-full_tail with the target tokens alone through the blocks (at least step k); returns (the latent
+    entering the step they end at, that step): the target region as the request computed it, the rest on the cached
+    request's flow line (its checkpoint at k towards its final latent) at that step's sigma."""
+    steps = len(sigmas) - 1
+    end = max(k + 1, steps - full_tail)
+    # the sampler's latent outside the target is not computed in these steps: none of them is kept as a checkpoint
+    # of the new entry (a later hit resumes from the joined latent at `end` or after)
+    observer.region, checkpoints, observer.checkpoints = region, observer.checkpoints, None
+    try:
+        own = runner.run(x, sigmas, k, end, observer)
+    finally:
+        observer.region, observer.checkpoints = None, checkpoints
+    fresh = getattr(runner, "fresh_step_cache", None)
+    if fresh is not None:     # a step cache's state from these steps would skip the full steps with their changes
+        fresh()
+    if not len(region.others):
+        return own, end
+    inside = latent_mask_of_tokens(runner.layout, region.target, x.shape[-3:]).to(own.device)
+    cached_k = payload.checkpoints[k].to(own.device, own.dtype)
+    line = jump(cached_k, payload.final.to(own.device, own.dtype), float(sigmas[k]), float(sigmas[end]))
+    return torch.where(inside[None, None], own, line), end
+
+
+def unfit_entry(payload, decision: gate_module.Decision, probed) -> str:
+    """Why a chosen entry's trajectory cannot continue this request ("" when it can): a checkpoint the decision
+    resumes from is missing, or its latent shape is not the request's (an entry a bucket should never have held)."""
+    needed = [decision.resume_step] + ([decision.refine_step] if decision.refine_step is not None else [])
+    missing = [step for step in needed if step not in payload.checkpoints]
+    if missing:
+        return f"has no checkpoint at step {missing[0]}"
+    shape = tuple(probed.latent.shape)
+    wrong = [step for step in needed if tuple(payload.checkpoints[step].shape) != shape]
+    if wrong:
+        return (f"holds a latent of shape {list(payload.checkpoints[wrong[0]].shape)} at step {wrong[0]}, but this "
+                f"request's latent has shape {list(shape)}")
+    return ""
+
+
+def full_generation(decision: gate_module.Decision, probed, why: str) -> gate_module.Decision:
+    return dataclasses.replace(decision, reuse=False, exact_repeat=False, entry_id=None, target_cells=None,
+                               refine_step=None, resume_step=probed.probe_steps, reasons=[why])

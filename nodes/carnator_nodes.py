@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
@@ -25,9 +26,9 @@ from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
-from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, explained,
-                     fail, make_config, model_label, progress_callback, prompt_text, send_decision, summary_text,
-                     to_json)
+from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, check_switch,
+                     explained, fail, make_config, model_label, progress_callback, prompt_text, send_decision,
+                     summary_text, to_json)
 from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
@@ -112,6 +113,13 @@ def _attention_density_input() -> io.Input:
         "a Wan 1.3B-size hit 2.3x faster on an H200."))
 
 
+def _region_only_input() -> io.Input:
+    return io.Boolean.Input("region_only", default=False, optional=True, tooltip=(
+        "On a hit, the resumed steps run only the tokens that differ from the cached request (and a ring around "
+        "them), taking the rest of the clip from it; a target over half the clip resumes the whole clip. Off by "
+        "default until its quality check passes (docs/region-resume.md)."))
+
+
 def _latent_output() -> io.Output:
     return io.Latent.Output("latent", display_name="latent",
                             tooltip="The finished latent (decode it with the model's VAE), as KSampler gives it.")
@@ -128,12 +136,44 @@ def _hidden(cls, name: str):
     return getattr(cls.hidden, name, None) if cls.hidden is not None else None
 
 
-def _given_out(unique_id, summary: dict) -> tuple:
+def _given_out(unique_id, summary: dict, result=None, store: Optional[CarnatorStore] = None) -> tuple:
     """(summary_json, node text) of a decision, sent to the node's web widget too: all three from one summary,
-    with the deciding reasons of a miss (inputs.explained)."""
+    with the deciding reasons of a miss (inputs.explained). With the generation `result`: its write's outcome is
+    this request's to tell, never the next one's: a write already failed is a warning here; one still under way
+    updates the widget once it is done (written, or not with its warning)."""
+    storing = getattr(result, "storing", None)
+    if storing is not None and not summary.get("store_pending") and storing.failure is not None:
+        store.withdraw_problem(storing.failure)
+        summary = {**summary, "warnings": list(dict.fromkeys(summary["warnings"] + [storing.failure]))}
     summary = explained(summary)
+    _shown_last[str(unique_id)] = summary
     send_decision(unique_id, summary)
+    if storing is not None and summary.get("store_pending"):
+        _when_stored(unique_id, summary, storing, store)
     return to_json(summary), ui.PreviewText(summary_text(summary))
+
+
+_shown_last: dict = {}   # node id -> the summary its widget shows last (a late write's update is for that one only)
+
+
+def _when_stored(unique_id, summary: dict, storing, store: CarnatorStore) -> None:
+    """Once the write is done, the widget of the node that queued it says so: "stored as", or its failure (taken
+    back from the warnings waiting for the next request). Not when the node shows a newer request by then."""
+    key = str(unique_id)
+
+    def tell():
+        storing.wait()
+        # write_done: this event updates the node's last decision, it is no request of its own
+        if storing.failure is not None:
+            done = {**summary, "stored_as": None, "store_pending": False, "write_done": True,
+                    "warnings": list(dict.fromkeys(summary["warnings"] + [storing.failure]))}
+        else:
+            done = {**summary, "store_pending": False, "write_done": True}
+        if _shown_last.get(key) is summary and send_decision(unique_id, done):
+            _shown_last[key] = done
+            if storing.failure is not None:     # shown where it belongs: not again on the next request
+                store.withdraw_problem(storing.failure)
+    threading.Thread(target=tell, name="carnator-stored-notice", daemon=True).start()
 
 
 @dataclass
@@ -445,13 +485,14 @@ class CarnatorTrajectoryResume(io.ComfyNode):
                         "stores it for later requests.",
             inputs=[_cache_input(), _probe_input(),
                     DecisionType.Input("decision", tooltip="The Compatibility Gate's decision for this probe."),
-                    _sparse_attention_input(), _attention_density_input()],
+                    _sparse_attention_input(), _attention_density_input(), _region_only_input()],
             outputs=[_latent_output(), _summary_output()],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, cache, probe, decision, sparse_attention, attention_density=1.0) -> io.NodeOutput:
+    def execute(cls, cache, probe, decision, sparse_attention, attention_density=1.0,
+                region_only=False) -> io.NodeOutput:
         node = "Carnator Trajectory Resume"
         store = _check_store(node, cache)
         bundle = _check_probe(node, probe)
@@ -462,11 +503,12 @@ class CarnatorTrajectoryResume(io.ComfyNode):
             raise fail(node, "cache", f"is {store.location!r} but the decision reuses an entry of "
                                       f"{decision.directory!r}: connect the same Carnator Cache to Lookup and Resume")
         config = dataclasses.replace(decision.config, sparse_attention=bool(sparse_attention),
-                                     max_density=check_attention_density(node, attention_density))
+                                     max_density=check_attention_density(node, attention_density),
+                                     region_only=check_switch(node, "region_only", region_only))
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
                                  bundle.model_name)
-        summary_json, text = _given_out(_hidden(cls, "unique_id"), result.summary())
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), result.summary(), result, store)
         return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), summary_json, ui=text)
 
 
@@ -479,24 +521,26 @@ class CarnatorSampler(io.ComfyNode):
             description="KSampler with cross-request reuse: probes the request, looks up earlier generations, and "
                         "resumes a compatible one's trajectory (or runs the rest and stores it).",
             inputs=[model, _cache_input(), *request, _risk_input(), _sparse_attention_input(),
-                    _attention_density_input(), *_expert_inputs()],
+                    _attention_density_input(), *_expert_inputs(), _region_only_input()],
             outputs=[_latent_output(), _summary_output()],
             hidden=list(_HIDDEN),
         )
 
     @classmethod
     def execute(cls, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-                probe_steps, risk, sparse_attention, attention_density=1.0, **experts) -> io.NodeOutput:
+                probe_steps, risk, sparse_attention, attention_density=1.0, region_only=False,
+                **experts) -> io.NodeOutput:
         node = "Carnator Sampler"
         store = _check_store(node, cache)
         config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention,
-                             max_density=check_attention_density(node, attention_density))
+                             max_density=check_attention_density(node, attention_density),
+                             region_only=check_switch(node, "region_only", region_only))
         runner, noise, latent = _prepare(node, model, positive, negative, latent_image, seed, steps, cfg,
                                          sampler_name, scheduler, config.probe_steps, experts)
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
                                    seed=int(seed), model_name=model_label(graph, unique_id))
-        summary_json, text = _given_out(unique_id, result.summary())
+        summary_json, text = _given_out(unique_id, result.summary(), result, store)
         return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), summary_json, ui=text)
 
 

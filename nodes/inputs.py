@@ -33,8 +33,9 @@ class PreparedLatent:
     noise_mask: Optional[torch.Tensor] = None   # the part of `samples` to keep (1 = generate), [B, 1, F, H, W]
 
 
-# models whose start image comes in the LATENT, kept by its noise mask: Wan 2.2 TI2V 5B (Wan22ImageToVideoLatent)
-KEPT_LATENT_MODELS = ("WAN22",)
+# models whose start image comes in the LATENT, kept by its noise mask: Wan 2.2 TI2V 5B (Wan22ImageToVideoLatent),
+# HunyuanVideo I2V (HunyuanImageToVideo's "v2 (replace)")
+KEPT_LATENT_MODELS = ("WAN22", "HunyuanVideoI2V")
 
 
 def check_model(node: str, model):
@@ -54,7 +55,8 @@ def check_latent(node: str, model, latent_image, backbone) -> PreparedLatent:
     if mask is not None and backbone.model_class not in KEPT_LATENT_MODELS:
         raise fail(node, "latent_image", "carries a noise mask (inpainting or masked image-to-video): Carnator "
                                          "samples whole clips, and keeps a masked start image only for Wan 2.2 "
-                                         "TI2V 5B (Wan22ImageToVideoLatent); use a KSampler for masked sampling")
+                                         "TI2V 5B (Wan22ImageToVideoLatent) and HunyuanVideo I2V (HunyuanImageToVideo "
+                                         "v2); use a KSampler for masked sampling")
     samples = latent_image["samples"]
     layout = backbone.layout
     channels = layout.latent_channels
@@ -76,7 +78,7 @@ def check_latent(node: str, model, latent_image, backbone) -> PreparedLatent:
         shape = list(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
         raise fail(node, "latent_image", f"has a noise mask of shape {shape} for a latent of {list(samples.shape)}: "
                                          "a start-image mask must be [batch, 1, frames, height, width] of the "
-                                         "latent's size, as Wan22ImageToVideoLatent makes it")
+                                         "latent's size, as Wan22ImageToVideoLatent and HunyuanImageToVideo make it")
     extra = {k: v for k, v in latent_image.items() if k in ("batch_index", "noise_mask")}
     return PreparedLatent(samples.to(torch.float32), extra, None if mask is None else mask.to(torch.float32))
 
@@ -101,14 +103,14 @@ def check_risk(node: str, risk: str) -> str:
 
 def make_config(node: str, steps: int, probe_steps: int, risk: str = "balanced", block_size: int = 64,
                 sparse_attention: bool = True, gate_overrides: Optional[dict] = None,
-                max_density: float = 1.0) -> CarnatorConfig:
+                max_density: float = 1.0, region_only: bool = False) -> CarnatorConfig:
     probe_steps = check_steps(node, steps, probe_steps)
     check_risk(node, risk)
     if int(block_size) < 1:
         raise fail(node, "block_size", f"block_size={block_size} must be >= 1 (64 on CPU, 128 on GPUs)")
     config = CarnatorConfig(probe_steps=int(probe_steps), risk=risk, block_size=int(block_size),
                             sparse_attention=bool(sparse_attention), gate_overrides=dict(gate_overrides or {}),
-                            max_density=max_density)
+                            max_density=max_density, region_only=region_only)
     try:
         config.validate(int(steps))
     except ValueError as error:
@@ -122,6 +124,12 @@ def check_attention_density(node: str, value) -> float:
         raise fail(node, "attention_density", f"attention_density={density} must be in (0, 1]: the share of key "
                                               "blocks each query block keeps (1 = no budget)")
     return density
+
+
+def check_switch(node: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise fail(node, name, f"{name}={value!r} must be true or false")
+    return value
 
 
 def check_number(node: str, name: str, value) -> float:
@@ -236,14 +244,17 @@ def _verdict(summary: dict) -> str:
     return f"Carnator MISS ({risk}): {why}; {cost}{stored}"
 
 
-def send_decision(unique_id, summary: dict) -> None:
-    """Pushes the decision to the frontend; silent when no ComfyUI server runs (scripts, tests)."""
+def send_decision(unique_id, summary: dict) -> bool:
+    """Pushes the decision to the frontend; whether it was sent (silent when no ComfyUI server runs: scripts,
+    tests)."""
     server = sys.modules.get("server")
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
     if instance is None:
-        return
+        return False
     try:
         instance.send_sync(DECISION_EVENT, {"node": None if unique_id is None else str(unique_id),
                                             **json.loads(to_json(summary))})
+        return True
     except Exception as error:  # the UI message is a courtesy: never fail a generation over it
         log.warning("carnator: could not send the decision to the UI: %s", error)
+        return False

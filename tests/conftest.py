@@ -12,10 +12,13 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# the engine, and this folder's helper modules (run_temp, redis_server, ...) for a suite that loads this file
+sys.path[:0] = [folder for folder in (ROOT, os.path.join(ROOT, "tests")) if folder not in sys.path]
 
 from carnator_engine.backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT  # noqa: E402
+
+# one temporary folder per run, removed at its end; a file a test leaves in it fails the run (tests/run_temp.py)
+pytest_plugins = ("run_temp",)
 
 WORDS = "a red green blue circle square moving left right up down on black white background".split()
 

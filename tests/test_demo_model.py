@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from carnator_engine import __main__ as cli
+from carnator_engine import few_step_gate
 from carnator_engine.backbones.tiny_dit import TinyDiTConfig, TinyVideoDiT, load_tiny_dit, tokenize
 from carnator_engine.demo import DEMO_GUIDANCE, DEMO_STEPS, DEMO_WEIGHTS, FEW_STEP_WEIGHTS, world
 from carnator_engine.demo import train
@@ -91,8 +92,11 @@ def test_training_from_earlier_weights_records_them(tmp_path):
 
 
 @needs_weights
-def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, capsys, held_writes, monkeypatch):
+def test_demo_session_replays_the_repeat_hits_its_edits_with_margin_and_measures_each_against_plain(
+        tmp_path, capsys, held_writes, monkeypatch):
     from carnator_engine.__main__ import main     # held_writes: the last entry is written only if the CLI waits
+    from carnator_engine.demo import session
+    from carnator_engine.gate import policy_for
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(temporary))   # where the demo's own cache goes without --cache
@@ -101,26 +105,54 @@ def test_demo_session_replays_the_exact_repeat_and_hits_the_size_edit(tmp_path, 
     assert list(temporary.iterdir()) == []                     # its temporary cache is gone
     written = json.loads(report.read_text())
     assert written["store"]["entries"] == sum(not row["exact_repeat"] for row in written["rows"])  # each one stored
-    assert (written["store"]["hits"], written["store"]["exact_repeats"]) == (1, 1)
     rows = {row["request"]: row for row in written["rows"]}
     repeat = rows["same prompt, same seed"]
     assert repeat["exact_repeat"] and repeat["model_calls"] == 0
-    assert rows["size edit"]["reuse"] and not rows["size edit"]["exact_repeat"]
-    assert 0 < rows["size edit"]["model_calls"] < DEMO_STEPS
-    assert rows["size edit"]["speedup_vs_cold_miss"].endswith("x")
-    assert rows["colour edit"]["speedup_vs_cold_miss"] is None
-    assert "covers" in rows["colour edit"]["why_miss"]                  # refused: the change is too much of the clip
-    assert rows["first request: cold cache"]["why_miss"].startswith("nothing comparable in the cache yet")
-    for row in written["rows"]:                                         # a strip per request, and the comparison
+    hits = [row for row in written["rows"] if row["reuse"] and not row["exact_repeat"]]
+    assert [row["request"] for row in hits] == ["speed edit", "shape edit", "direction swap"]
+    assert (written["store"]["hits"], written["store"]["exact_repeats"]) == (3, 1)
+    limits = policy_for("balanced")
+    for row in hits:                        # each hit passes every limit with room: no hair's-breadth showcase
+        numbers = row["gate_numbers"]
+        assert numbers["target_fraction"] <= 0.7 * limits.max_target_fraction, row
+        assert numbers["context_share"] <= 0.7 * limits.max_context_share, row
+        assert numbers["hidden"] <= 0.5 * limits.max_hidden and numbers["attention"] <= 0.5 * limits.max_attention
+        assert 0 < row["model_calls"] < DEMO_STEPS and row["attributes_correct"] == "6/6"
+        assert row["psnr_vs_plain_db"] > 25                       # the hit looks like its plain generation
+    for row in written["rows"]:             # one baseline: the same request by a plain sampler, timed after it
+        assert row["plain_seconds"] > 0
+        assert row["speedup_vs_plain"] == session.speedup(row["plain_seconds"], row["seconds"])
         assert open(row["frames"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert rows["first request: cold cache"]["psnr_vs_plain_db"] is None          # a miss is the plain generation
+    assert rows["first request: cold cache"]["why_miss"].startswith("nothing comparable in the cache yet")
+    assert "covers 100% of the clip" in rows["background change"]["why_miss"]
     compared = written["hit_vs_fresh"]
-    assert compared["request"] == "size edit" and os.path.exists(compared["picture"])
-    assert compared["psnr_db"] > 20                                     # the hit looks like the fresh generation
+    best = rows[compared["request"]]
+    assert best["model_calls"] == min(row["model_calls"] for row in hits) and os.path.exists(compared["picture"])
+    assert (compared["fresh_seconds"], compared["hit_seconds"], compared["speedup"]) == \
+        (best["plain_seconds"], best["seconds"], best["speedup_vs_plain"])          # the row's own numbers
     out = capsys.readouterr().out
-    assert "same prompt, same seed         repeat" in out
-    assert f"    miss: {rows['colour edit']['why_miss']}" in out
-    assert "hit vs fresh (size edit): " in out and str(out_dir) in out
+    assert "same prompt, same seed             repeat" in out
+    assert f"    miss: {rows['background change']['why_miss']}" in out
+    words = session.speed_in_words(best["plain_seconds"], best["seconds"])
+    assert f"hit vs fresh ({best['request']}): " in out and f"for the plain sampler ({words})" in out
+    assert str(out_dir) in out
     assert out.rstrip().endswith(cli.demo_legend(DEMO_STEPS, 3, 6, ", ".join(world.ATTRIBUTES)))
+
+
+def test_a_rerun_on_a_kept_cache_is_all_exact_repeats_and_says_so(tmp_path, capsys):
+    from carnator_engine.__main__ import main
+    flags = ["demo", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "frames"), "--steps", "4",
+             "--probe-steps", "2"]
+    assert main(flags) == 0
+    capsys.readouterr()
+    assert main(flags + ["--json", str(tmp_path / "again.json")]) == 0
+    out = capsys.readouterr().out
+    assert "all 6 requests were exact repeats of generations already in the cache" in out
+    assert "no request" not in out
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert all(row["exact_repeat"] and row["model_calls"] == 0 for row in again["rows"])
+    assert again["hit_vs_fresh"] is None
 
 
 @pytest.mark.skipif(not os.path.exists(FEW_STEP_WEIGHTS), reason=f"the 4-step student {FEW_STEP_WEIGHTS} is missing")
@@ -135,6 +167,7 @@ def test_few_step_demo_replays_the_session_on_the_4_step_student(tmp_path, capsy
     assert rows["first request: cold cache"]["attributes_correct"] == "6/6"   # the student at 4 steps, guidance 1
     assert rows["same prompt, same seed"]["exact_repeat"] and rows["same prompt, same seed"]["model_calls"] == 0
     assert all(row["model_calls"] <= 4 for row in written["rows"])
+    assert rows["speed edit"]["why_miss"] == few_step_gate.PLAIN_WORDS    # the balanced default does not reuse here
     assert "4 steps, probe 1, risk balanced, guidance 1, model tiny_dit_4step.safetensors" in capsys.readouterr().out
 
 

@@ -20,8 +20,6 @@ NAMING_FILES = [*PAGES, "pyproject.toml", ".ci/run",
 # A source or documentation file named by its path from the repository root (outputs such as JSON are not).
 NAMED_PATH = re.compile(r"(?<![\w./-])((?:carnator_engine|nodes|benchmarks|tests|docs|workflows|web)/[\w./-]*\w\.(?:py|md|sh|mjs|js))\b")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# Pages their owners are writing; the README links them already.
-PLANNED_PAGES = {"docs/region-resume.md", "docs/evaluation-world.md"}
 
 
 def _read(path):
@@ -58,8 +56,7 @@ def _broken_links(page: str) -> list:
         path, _, anchor = link.partition("#")
         target = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
         if not os.path.exists(os.path.join(ROOT, target)):
-            if target not in PLANNED_PAGES and os.path.join("docs", target) not in PLANNED_PAGES:
-                broken.append(link)
+            broken.append(link)
         elif anchor and target.endswith(".md") and anchor not in _anchors(target):
             broken.append(link)
     return broken
@@ -90,7 +87,7 @@ def test_the_link_check_catches_a_missing_page_and_a_missing_anchor(tmp_path, mo
 def test_every_repository_file_the_code_tests_and_pages_name_exists():
     missing = sorted({f"{named_in}: {path}" for named_in in NAMING_FILES
                       for path in NAMED_PATH.findall(_read(named_in))
-                      if not os.path.exists(os.path.join(ROOT, path)) and path not in PLANNED_PAGES})
+                      if not os.path.exists(os.path.join(ROOT, path))})
     assert missing == []
 
 
@@ -146,8 +143,8 @@ def _uncited_results(results: str, patterns: list, source_text: str) -> list:
 
 def test_results_holds_only_files_that_results_md_or_the_code_cite():
     """benchmarks/results/ keeps the newest run of each benchmark: every file there is named by RESULTS.md or
-    docs/ (a path or a glob), or by the code that reads or writes it, or sits beside one that is."""
-    source_text = "\n".join(_read(f) for f in NAMING_FILES if f.endswith(".py")) + _read("tests/browser/e2e.mjs")
+    docs/ (a path, a glob or its name), or by the code that reads or writes it, or sits beside one that is."""
+    source_text = "\n".join(_read(f) for f in NAMING_FILES) + _read("tests/browser/e2e.mjs")
     assert _uncited_results(RESULTS, _cited_patterns(), source_text) == []
 
 

@@ -238,6 +238,7 @@ def test_an_unreachable_redis_opens_a_store_that_generates_in_full_and_reconnect
     blobs = tmp_path / "blobs"
     store = stores.open_store(server.url, 64 << 20, str(blobs))             # what the Carnator Cache node calls
     assert not blobs.exists()                                               # nothing marked before it is reached
+    assert stores.open_store(server.url, 32 << 20, str(blobs)) is store     # a node run with another limit too
     runner, sigmas, config = TinyDiTRunner(tiny_model, "a red circle"), flow_sigmas(12), CarnatorConfig(probe_steps=2)
     noise = torch.randn(1, 3, 8, 32, 32, generator=torch.Generator().manual_seed(4))
     result = generate(runner, noise, sigmas, store, config)

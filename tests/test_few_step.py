@@ -46,10 +46,32 @@ def test_a_miss_at_4_steps_is_plain_sampling(tiny_model, store):
     torch.testing.assert_close(repeat.latent, miss.latent)
 
 
+@pytest.mark.parametrize("steps", [4, 6, 8])
+@pytest.mark.parametrize("risk", ["safe", "balanced"])
+def test_safe_and_balanced_do_not_reuse_at_few_steps_and_say_why(tiny_model, store, steps, risk):
+    first = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store, _config(steps, risk=risk),
+                     PROMPT, 1)
+    refused = _near_repeat(tiny_model, store, steps, risk=risk)
+    assert not refused.decision.reuse and refused.model_calls == steps
+    assert refused.decision.reasons[0].startswith(f"no reuse at {steps} steps at this risk level")
+    assert "risk 'aggressive' reuses here" in refused.decision.reasons[0]
+    repeat = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store,
+                      _config(steps, risk=risk), PROMPT, 1)
+    assert repeat.decision.exact_repeat and repeat.model_calls == 0      # an exact repeat is still answered
+    torch.testing.assert_close(repeat.latent, first.latent)
+
+
+def test_the_few_step_refusal_is_for_few_steps_only(tiny_model, store):
+    generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(20), store, _config(20), PROMPT, 1)
+    near = _near_repeat(tiny_model, store, 20)
+    assert near.decision.reuse, near.decision.reasons
+
+
 @pytest.mark.parametrize("steps, resume_step, calls", [(4, 3, 2), (6, 4, 3), (8, 6, 3)])
-def test_a_near_repeat_at_few_steps_is_a_hit_that_pays(tiny_model, store, steps, resume_step, calls):
-    first = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store, _config(steps), PROMPT, 1)
-    hit = _near_repeat(tiny_model, store, steps)
+def test_a_near_repeat_at_few_steps_is_a_hit_that_pays_at_risk_aggressive(tiny_model, store, steps, resume_step, calls):
+    first = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store,
+                     _config(steps, risk="aggressive"), PROMPT, 1)
+    hit = _near_repeat(tiny_model, store, steps, risk="aggressive")
     assert hit.decision.reuse and hit.decision.entry_id == first.entry_id, hit.decision.reasons
     assert hit.decision.resume_step == resume_step and hit.decision.refine_step is None
     assert hit.model_calls == calls == 1 + steps - resume_step
@@ -58,7 +80,8 @@ def test_a_near_repeat_at_few_steps_is_a_hit_that_pays(tiny_model, store, steps,
 
 def test_where_reuse_cannot_pay_at_4_steps_the_gate_says_so(tiny_model, store):
     generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(4), store, _config(4), PROMPT, 1)
-    refused = _near_repeat(tiny_model, store, 4, risk="safe")   # safe resumes at most at step 2 of 4
+    refused = _near_repeat(tiny_model, store, 4, risk="aggressive",     # resumes at most at step 2 of 4
+                           gate_overrides={"few_step_resume_fraction": 0.6})
     assert not refused.decision.reuse and refused.model_calls == 4
     assert any("reuse cannot pay here" in reason for reason in refused.decision.reasons), refused.decision.reasons
 

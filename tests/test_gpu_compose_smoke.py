@@ -1,14 +1,12 @@
-"""CPU smoke run of benchmarks/gpu_compose.py (the GPU benchmarks' smoke preset, cfg 1 only, one EasyCache threshold):
-the script's plumbing and the composition it reports (a Carnator miss with EasyCache equals EasyCache alone,
-with the same model calls), not speed."""
+"""CPU smoke run of benchmarks/gpu_compose.py (the GPU benchmarks' smoke preset, cfg 1 only, one EasyCache threshold,
+one region-only target share): the script's plumbing and the composition it reports (a Carnator miss with EasyCache
+equals EasyCache alone, with the same model calls), not speed."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-from benchmark_smoke import ROOT, TIME_LIMIT_S, skip_without_comfyui
+from benchmark_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_compose.py")
 
@@ -16,13 +14,15 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_compose.py")
 def test_gpu_compose_smoke(tmp_path):
     skip_without_comfyui()
     out = tmp_path / "compose.json"
-    completed = subprocess.run([sys.executable, SCRIPT, "--smoke", "--skip-cfg5", "--easycache-thresholds", "0.1",
-                                "--device", "cpu", "--out", str(out), "--store-dir", str(tmp_path)],
-                               capture_output=True, text=True, timeout=TIME_LIMIT_S)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    completed = run_smoke([SCRIPT, "--smoke", "--skip-cfg5", "--easycache-thresholds", "0.1", "--region-shares", "0.3",
+                           "--device", "cpu", "--out", str(out), "--store-dir", str(tmp_path)], TIME_LIMIT_S)
     report = json.loads(out.read_text())
     cases = report["cases"]
-    assert set(cases) == {"plain", "easycache", "miss", "hit", "miss+easycache", "hit+easycache"}
+    assert set(cases) == {"plain", "easycache", "miss", "hit", "miss+easycache", "hit+easycache", "region hit 30%",
+                          "region hit 30%+easycache"}
+    region = cases["region hit 30%"]          # the region-only hit: the resume stage took it, on part of the tokens
+    assert region["region_only"] and 0 < region["region_share"] < 1 and region["model_calls"] < 10
+    assert cases["region hit 30%+easycache"]["region_only"]
     assert cases["miss+easycache"]["rel_l2_vs_easycache"] < 1e-4
     assert cases["miss+easycache"]["model_calls"] == cases["easycache"]["model_calls"] < cases["plain"]["model_calls"]
     assert cases["miss"]["rel_l2_vs_plain"] < 1e-4

@@ -3,14 +3,13 @@ process logged since; a snapshot that is damaged, torn, of another version, of a
 never used (the index is rebuilt from the entries instead)."""
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 
 from carnator_engine.store import index_snapshot
 from carnator_engine.store import store as store_module
 from carnator_engine.store import CarnatorStore
+from forked import run_forked_with_output
 from test_store import _put, _signature, location  # noqa: F401 - location is a fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +22,7 @@ store = CarnatorStore({location!r}, 64 << 20)
 print(_put(store, 7))
 store.delete({deleted!r})
 store.record_hit({hit!r}, steps_saved=5)
-"""  # it ends without close(): what it did is in the change log only, not in a snapshot
+"""  # it ends without close() (a forked worker, ended by os._exit): what it did is in the change log only
 
 
 def _no_rebuild(monkeypatch, store):
@@ -55,9 +54,10 @@ def test_an_open_loads_the_snapshot_and_sees_what_another_worker_wrote_since(loc
     _no_rebuild(monkeypatch, first)
     running = CarnatorStore(location, 64 << 20)             # opened from the snapshot
     tests = os.path.join(ROOT, "tests")
-    new = subprocess.run([sys.executable, "-c", OTHER_WORKER.format(root=ROOT, tests=tests, location=location,
-                                                                    deleted=ids[0], hit=ids[1])],
-                         capture_output=True, text=True, check=True).stdout.split()[0]
+    status, printed = run_forked_with_output(OTHER_WORKER.format(root=ROOT, tests=tests, location=location,
+                                                                deleted=ids[0], hit=ids[1]))
+    assert status == 0, printed
+    new = printed.split()[0]
     later = CarnatorStore(location, 64 << 20)               # opened from the same snapshot, log replayed
     for store in (running, later):
         assert store.shortlist("b", _signature(7), 1) == [new]

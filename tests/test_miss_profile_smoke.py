@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-from benchmark_smoke import ROOT, TIME_LIMIT_S, skip_without_comfyui
+from benchmark_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "miss_profile.py")
 
@@ -15,9 +13,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "miss_profile.py")
 def test_miss_profile_smoke(tmp_path):
     skip_without_comfyui()
     out = tmp_path / "miss_profile.json"
-    completed = subprocess.run([sys.executable, SCRIPT, "--smoke", "--repeats", "2", "--device", "cpu",
-                                "--out", str(out)], capture_output=True, text=True, timeout=TIME_LIMIT_S)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    completed = run_smoke([SCRIPT, "--smoke", "--repeats", "2", "--device", "cpu", "--out", str(out)], TIME_LIMIT_S)
     report = json.loads(out.read_text())
     steps = report["config"]["steps"]
     assert len(report["runs"]) == 2

@@ -153,8 +153,13 @@ def test_one_run_of_each_request_set_goes_first_to_write_its_reference_cache():
 def test_each_carnator_method_names_its_refine_switch_whatever_the_default():
     import argparse
     quality = _script("quality")
-    args = argparse.Namespace(probe_steps=3, risk="balanced", max_density=1.0, gate_overrides={})
+    args = argparse.Namespace(probe_steps=3, risk="balanced", max_density=1.0, gate_overrides={}, region_max_share=0.5)
     assert quality.carnator_config("carnator_refine", args).policy().refine_target
+    for region in ("carnator_region", "carnator_region_tail0"):      # region-only on top of carnator_refine
+        config = quality.carnator_config(region, args)
+        assert config.region_only and config.policy().refine_target
+    assert quality.carnator_config("carnator_region_tail0", args).region_full_steps == 0
+    assert not quality.carnator_config("carnator_refine", args).region_only
     for plain in ("carnator", "carnator_no_localize", "carnator_dense"):
         assert not quality.carnator_config(plain, args).policy().refine_target
     assert not quality.carnator_config("carnator_dense", args).sparse_attention

@@ -246,10 +246,12 @@ store._backend._cache.transact = transact
 
 
 def _crash(directory, at, work):
+    """Runs `work` on a store at `directory` in another process, killed (os._exit(9)) at `at`."""
     import os
+    from forked import run_forked
     code = CRASH.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), directory=directory,
                         at=at, work=work)
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    assert run_forked(code) == 9
 
 
 def _age_blobs(directory):

@@ -13,7 +13,8 @@ def test_store_scale_smoke(tmp_path):
     import store_scale
     out = tmp_path / "scale.json"
     assert store_scale.main(["--sizes", "5,20", "--queries", "3", "--puts", "2", "--blob-repeats", "0",
-                             "--memory-entries", "1", "--memory-redis-entries", "0", "--root", str(tmp_path),
+                             "--memory-entries", "1", "--memory-redis-entries", "0", "--open-with", "fork",
+                             "--root", str(tmp_path),
                              "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
@@ -30,7 +31,8 @@ def test_workers_smoke(tmp_path):
     require_redis_server()
     import workers
     out = tmp_path / "workers.json"
-    assert workers.main(["--workers", "2", "--users", "1", "--session", "2", "--steps", "6", "--out", str(out)]) == 0
+    assert workers.main(["--workers", "2", "--users", "1", "--session", "2", "--steps", "6", "--start-method", "fork",
+                         "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert results["shared"]["requests"] == results["farm"]["requests"] == results["per_worker"]["requests"] == 2
     check = results["farm"]["check"]
@@ -45,3 +47,19 @@ def test_store_scale_reads_rows_against_the_goals():
     verdicts = {v["field"]: v["met"] for v in store_scale.against_goals([row, {**row, "entries": 20}])}
     assert verdicts == {"lookup_ms_median": False, "put_ms_median": True, "open_s": True, "rebuild_s": True,
                         "open_rss_mb": True, "rebuild_rss_mb": False}
+
+
+def test_farm_soak_smoke(tmp_path):
+    from redis_server import require_redis_server
+    require_redis_server()
+    import farm_soak
+    out = tmp_path / "soak.json"
+    farm_soak.main(["--workers", "2", "--minutes", "0.15", "--rounds", "1", "--fault-s", "0.3", "--limit-mb", "8",
+                    "--folder-mb", "16", "--out", str(out)])
+    report = json.loads(out.read_text())
+    result = report["result"]
+    assert [f["fault"] for f in result["faults"]] == [f for f in farm_soak.FAULTS if f != "flushall"] + ["flushall"]
+    assert result["acknowledged"] > 0 and result["reads"] > 0
+    for goal in ("lost", "torn", "wrong_served", "evicted_live_by_bookkeeping", "foreign_touched",
+                 "second_farm_refused", "no_open_failed"):
+        assert report["goals"][goal], (goal, result)

@@ -136,7 +136,8 @@ def test_a_lookup_runs_its_products_on_one_torch_thread_and_gives_the_pool_back(
     # 10k entries on a busy 2-core machine: benchmarks/RESULTS.md); the speed itself is the benchmark's to show.
     for seed in range(3):
         _put(store, seed)
-    seen, real_mv, real_topk = [], torch.mv, torch.topk
+    from carnator_engine.store import index as index_module
+    seen, real_mv, real_topk, real_scores = [], torch.mv, torch.topk, index_module.shortlist_scores
     monkeypatch.setattr(torch, "mv", lambda *a: (seen.append(torch.get_num_threads()), real_mv(*a))[1])
     monkeypatch.setattr(torch, "topk", lambda *a, **k: (seen.append(torch.get_num_threads()), real_topk(*a, **k))[1])
     before = torch.get_num_threads()
@@ -144,6 +145,11 @@ def test_a_lookup_runs_its_products_on_one_torch_thread_and_gives_the_pool_back(
     try:
         assert len(store.shortlist("b", _signature(1), 2)) == 2
         assert torch.get_num_threads() == 2
+        pool = []
+        monkeypatch.setattr(index_module, "shortlist_scores", lambda *a: (pool.append(torch.get_num_threads()),
+                                                                          real_scores(*a))[1])
+        assert nearest(store, "b", _signature(1), 1)                 # the whole lookup, exact distances included
+        assert pool == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}

@@ -163,8 +163,13 @@ class TinyVideoDiT(nn.Module):
         position = (self.frame_pos[:, None, None] + self.row_pos[None, :, None] + self.col_pos[None, None])
         hidden = self.patch_embed(tokens) + position.reshape(1, gf * gh * gw, -1)
         time = self.time_mlp(timestep_embedding(sigma, self.config.dim))
+        region = getattr(observer, "region", None)
+        if region is not None:      # a region-only resume: the target tokens alone go through the blocks
+            hidden = region.gather(hidden)
         for index, block in enumerate(self.blocks):
             hidden = block(hidden, time, context, padding, index, observer)
+        if region is not None:
+            hidden = region.scatter(hidden)
         shift, scale = self.out_modulation(time)[:, None].chunk(2, dim=-1)
         out = self.head(self.norm_out(hidden) * (1 + scale) + shift)
         return rearrange(out, "b (f h w) (c pt ph pw) -> b c (f pt) (h ph) (w pw)",

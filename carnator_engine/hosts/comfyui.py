@@ -83,16 +83,13 @@ _SUPPORTED = {
     "HunyuanVideo": _Spec("HunyuanVideo", (("double_blocks", "double_block"), ("single_blocks", "single_block")),
                           {16: HUNYUAN_VIDEO}, joint_text=True),
 }
-SUPPORTED_TEXT = ("Wan 2.1 / Wan 2.2 T2V and I2V (ComfyUI classes WAN21, WAN22), LTX-Video (LTXV) and HunyuanVideo T2V "
-                  "(HunyuanVideo)")
+# HunyuanVideo image-to-video (HunyuanImageToVideo's "v1 (concat)" image latent, or "v2 (replace)": the image kept in
+# the first latent frame by a noise mask) and SkyReels I2V: the same transformer with more input channels
+_SUPPORTED["HunyuanVideoI2V"] = _SUPPORTED["HunyuanVideoSkyreelsI2V"] = _SUPPORTED["HunyuanVideo"]
+SUPPORTED_TEXT = ("Wan 2.1 / Wan 2.2 T2V and I2V (ComfyUI classes WAN21, WAN22), LTX-Video (LTXV) and HunyuanVideo "
+                  "T2V and I2V (HunyuanVideo, HunyuanVideoI2V, HunyuanVideoSkyreelsI2V)")
 
-_I2V_WHY = ("image-to-video is not supported for HunyuanVideo yet: besides the concatenated image latent (which Carnator "
-            "keys, as for Wan I2V), its 'v2 (replace)' mode swaps the first latent frame inside the model with a "
-            "timestep of its own (guiding_frame_index), a path Carnator's probe and resume have not been verified "
-            "on")
 _WHY_NOT = {
-    "HunyuanVideoI2V": _I2V_WHY,
-    "HunyuanVideoSkyreelsI2V": _I2V_WHY,
     "WAN21_Vace": "VACE adds control blocks whose states are not part of the signature",
     "WAN21_Camera": "camera control changes the trajectory outside the conditioning Carnator compares",
     "WAN21_HuMo": "audio/reference conditioning is not compared by the signature",
@@ -251,19 +248,34 @@ def _forward_counter(run: _Run):
     return wrapper
 
 
-def _block_patch(run: _Run, index: int, inner):
+_UNCUT = ("img", "txt", "transformer_options")   # block arguments a region-only step never cuts to its tokens
+
+
+def _block_patch(run: _Run, index: int, inner, last: bool, joint_text: bool):
+    """A region-only resume's step (observer.region active) cuts the tokens to its target at the first block, the
+    block arguments with a token axis (rope, per-token modulation, a joint padding mask) at every block, and puts
+    the tokens back at the last."""
     def patch(args, extra):
         options = dict(args.get("transformer_options") or {})
         options["block_index"] = index          # on a copy: nothing leaks into other blocks or runs
         args = dict(args, transformer_options=options)
+        region = getattr(run.observer, "region", None)
         img = args["img"]
-        if img.shape[1] < run.tokens or ("txt" in args and img.shape[1] != run.tokens):
+        tokens = run.tokens if index == 0 or region is None else region.video_tokens()
+        if img.shape[1] < tokens or ("txt" in args and img.shape[1] != tokens):
             raise UnsupportedModelError(
-                f"Carnator: block {index} carries {img.shape[1]} image tokens for a latent of {run.tokens}: a "
+                f"Carnator: block {index} carries {img.shape[1]} image tokens for a latent of {tokens}: a "
                 "reference latent or image conditioning adds tokens the signature does not compare; use a "
                 "regular KSampler for it")
+        if region is not None:
+            if index == 0:
+                args["img"] = region.gather(img, args["txt"].shape[1] if joint_text and "txt" in args else None)
+            args = {key: value if key in _UNCUT else region.gather_like(value) for key, value in args.items()}
+            tokens = region.video_tokens()
         out = inner(args, extra) if inner is not None else extra["original_block"](args)
-        run.observer.block_output(index, out["img"][:, :run.tokens])   # single-stream blocks carry the text after
+        run.observer.block_output(index, out["img"][:, :tokens])   # single-stream blocks carry the text after
+        if region is not None and last:
+            out = dict(out, img=region.scatter(out["img"]))
         return out
     return patch
 
@@ -299,12 +311,14 @@ def _attention_override(run: _Run, previous, joint_text: bool):
         merged_out = not kwargs.get("skip_output_reshape", False)
         token_dim = 2 if split else 1
         length_q, length_k = q.shape[token_dim], k.shape[token_dim]
-        video_ok = length_q == run.tokens or (joint_text and length_q > run.tokens)
+        region = getattr(run.observer, "region", None)
+        tokens = run.tokens if region is None else region.video_tokens()
+        video_ok = length_q == tokens or (joint_text and length_q > tokens)
         if length_q != length_k or not video_ok or q.dim() != (4 if split else 3):
             return next_in_chain(func, *args, **kwargs)  # cross-attention, or tokens beyond the video grid
         rest = list(args[3:])
         if mask is not None:
-            keep = _kept_keys(mask, length_k, run.tokens)
+            keep = _kept_keys(mask, length_k, tokens)
             if keep is None:
                 return next_in_chain(func, *args, **kwargs)   # not a text padding mask: left to the host
             keep = keep.to(k.device)
@@ -328,7 +342,7 @@ def _attention_override(run: _Run, previous, joint_text: bool):
                 return out.reshape(batch, out.shape[1], heads, head_dim).transpose(1, 2)
             return out
 
-        video = run.tokens if length_q > run.tokens else None
+        video = tokens if length_q > tokens else None
         out = run.observer.self_attention(int(block), to_heads(q), to_heads(k), to_heads(v), dense=dense,
                                           video_tokens=video)
         if merged_out:
@@ -389,7 +403,12 @@ class ComfyRunner:
         self.request_fingerprint = conditioning_fingerprint(positive, negative, self.seed)
         if noise_mask is not None and latent_image is None:
             raise ValueError("a noise_mask needs the latent_image it keeps")
-        self.kept_latent = None if noise_mask is None else latent_image.detach().to("cpu", torch.float32)
+        # the request's latent stays the sampler's latent_image in every run when the model reads it: a noise mask
+        # keeps part of it, and a model with concat_keys (HunyuanVideo I2V) concatenates it to a conditioning that
+        # carries no image of its own (ComfyUI's BaseModel.concat_cond)
+        reads_latent = noise_mask is not None or bool(getattr(model.model, "concat_keys", ()))
+        self.kept_latent = latent_image.detach().to("cpu", torch.float32) if reads_latent and latent_image is not None \
+            else None
         self.noise_mask = None if noise_mask is None else noise_mask.detach().to("cpu", torch.float32)
         # part of the bucket: a hit only ever resumes a generation of the same start image ("" for text-to-video)
         self.image_fingerprint = start_image_fingerprint(positive, negative, self.kept_latent, self.noise_mask)
@@ -487,6 +506,11 @@ class ComfyRunner:
                 "runs (a closure over a counter or a cache) cannot be fingerprinted: its node can declare a "
                 "`carnator_fingerprint`")
 
+    def fresh_step_cache(self) -> None:
+        """The next run starts its step cache (EasyCache, LazyCache) afresh instead of continuing the last run's
+        state: after a region-only run, that state holds changes measured on the target tokens alone."""
+        self.carry = StepCacheCarry()
+
     def with_step_callback(self, step_callback: Optional[StepCallback]) -> "ComfyRunner":
         clone = object.__new__(ComfyRunner)
         clone.__dict__.update(self.__dict__)
@@ -499,7 +523,9 @@ class ComfyRunner:
         replaced = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
         for index, (kind, number) in enumerate(self.backbone.block_keys):
             inner = replaced.get((kind, number))
-            model.set_model_patch_replace(_block_patch(run, index, inner), "dit", kind, number)
+            last = index == self.backbone.num_blocks - 1
+            model.set_model_patch_replace(_block_patch(run, index, inner, last, self.backbone.joint_text), "dit",
+                                          kind, number)
         options = model.model_options.setdefault("transformer_options", {})
         options["optimized_attention_override"] = _attention_override(
             run, options.get("optimized_attention_override"), self.backbone.joint_text)
@@ -560,9 +586,9 @@ class ComfyRunner:
 
     def _sampler_start(self, x: torch.Tensor, sigma0: float) -> tuple:
         """(noise, latent_image) for which the host sampler starts at x: it starts from sigma0 * noise +
-        (1 - sigma0) * latent (latent in the model space). With a kept latent (a noise mask) the latent must be that
-        one, since the sampler keeps its masked-out part at every evaluation, so the noise carries x."""
-        if self.noise_mask is not None:
+        (1 - sigma0) * latent (latent in the model space). With a kept latent the latent must be the request's own
+        (the model reads it: a noise mask keeps part of it, concat_keys concatenate it), so the noise carries x."""
+        if self.kept_latent is not None:
             kept = self.from_latent_format(self.kept_latent) if bool(self.kept_latent.any()) else self.kept_latent
             return (x - (1.0 - sigma0) * kept) / sigma0, self.kept_latent
         if sigma0 >= 1.0 or math.isclose(sigma0, 1.0, rel_tol=1e-6):

@@ -60,7 +60,8 @@ def conditioning_fingerprint(positive, negative, seed: int) -> str:
 def start_image_fingerprint(positive, negative, latent_image: Optional[torch.Tensor] = None,
                             noise_mask: Optional[torch.Tensor] = None) -> str:
     """A digest of the request's start image as the model sees it ("" for text-to-video): the image options of
-    every conditioning entry, and with a noise mask the latent it keeps (its content) and the mask itself."""
+    every conditioning entry, and the latent the model reads (`latent_image`, given only for a model that reads
+    it) when it is not empty, with the noise mask that keeps part of it."""
     digest = hashlib.sha256(b"start-image")
     found = False
     for name, conditioning in (("positive", positive), ("negative", negative)):
@@ -71,9 +72,9 @@ def start_image_fingerprint(positive, negative, latent_image: Optional[torch.Ten
                     found = True
                     digest.update(f"{name}[{index}].{key}".encode())
                     _digest(digest, options[key])
-    if noise_mask is not None:
+    if noise_mask is not None or (latent_image is not None and bool(latent_image.any())):
         found = True
-        digest.update(b"noise_mask")
+        digest.update(b"latent")
         _digest(digest, noise_mask)
         _digest(digest, latent_image)
     return digest.hexdigest()[:24] if found else ""

@@ -23,6 +23,7 @@ import enum
 import functools
 import hashlib
 import math
+import re
 import types
 import weakref
 from dataclasses import dataclass
@@ -61,12 +62,32 @@ class ModelKey:
         """Empty when the key is complete; otherwise why the request must be generated without the cache."""
         if not self.unknown:
             return ""
-        return ("Carnator cannot fingerprint " + "; ".join(self.unknown) + ": this request is generated plainly "
+        return ("Carnator cannot fingerprint " + "; ".join(map(_for_people, self.unknown)) + ": this request is "
+                "generated plainly "
                 "(no cache lookup, no repeat, nothing stored), since a cached result could come from a model with "
                 "other settings. Remove that option, or give it a `carnator_fingerprint` naming its settings")
 
     def text(self) -> str:
         return "; ".join(self.described)
+
+
+# Where an option sits on the MODEL, as the walk names it, and the same in the words of the node that put it there.
+_PLACES = [(re.compile(r"^(wrapper|callback)s\['(\w+)'\]\['([^']*)'\](\[\d+\])?"),
+            lambda m: f"another node's {m[1]} on the {m[2].replace('_', ' ')} ('{m[3]}')"),
+           (re.compile(r"^object patches\['([^']*)'\]"), lambda m: f"the {m[1].replace('_', ' ')} patch"),
+           (re.compile(r"^model_options\['transformer_options'\]\['([^']*)'\]"),
+            lambda m: f"transformer option {m[1].replace('_', ' ')}"),
+           (re.compile(r"^model_options\['([^']*)'\]"), lambda m: f"model option {m[1].replace('_', ' ')}"),
+           (re.compile(r" \(closure (\w+)\)"), lambda m: f", its value {m[1]}")]
+
+
+def _for_people(unknown: str) -> str:
+    """An option Carnator cannot read, named as a creator knows it: "another node's wrapper on the diffusion model
+    ('third_party'), its value opaque (an object of type Opaque)" for wrappers['diffusion_model']['third_party'][0]
+    (closure opaque) (...)."""
+    for pattern, words in _PLACES:
+        unknown = pattern.sub(words, unknown, count=1)
+    return unknown
 
 
 class _Walk:

@@ -20,6 +20,7 @@ from typing import Optional
 from ..signature import EarlySignature, SignatureDistance, shortlist_scores, signature_distance
 from ..schedule import schedule_fingerprint
 from .store import CarnatorStore, EntryRecord, StoreError
+from .vectors import one_torch_thread
 
 SHORTLIST = 32   # entries whose exact distance is computed per lookup (see benchmarks/store_scale.py)
 
@@ -107,6 +108,11 @@ def _candidate(store: CarnatorStore, entry_id: str, cached: EarlySignature,
 def nearest(store: CarnatorStore, bucket: str, signature: EarlySignature, limit: int = 3) -> list:
     if limit < 1:
         raise ValueError(f"lookup limit must be >= 1, got {limit}")
+    with one_torch_thread():   # small products: on a busy machine a pool of threads waits for its slowest
+        return _nearest(store, bucket, signature, limit)
+
+
+def _nearest(store: CarnatorStore, bucket: str, signature: EarlySignature, limit: int) -> list:
     try:
         shortlist = store.shortlist(bucket, signature, SHORTLIST)
     except ValueError as error:   # a non-finite signature: nothing can be compared with it

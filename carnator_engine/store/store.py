@@ -238,9 +238,12 @@ class CarnatorStore:
             return self._opened
 
     def set_size_limit(self, size_limit_bytes: int) -> list:
-        """Applies a new limit at once; returns the ids it evicted."""
+        """Applies a new limit at once (a store not reached yet applies it when it opens); returns the ids it
+        evicted."""
         _check_size_limit(size_limit_bytes)
         self.size_limit_bytes = int(size_limit_bytes)
+        if self._opened is None:
+            return []
         return self.enforce_size_limit()
 
     def close(self) -> None:
@@ -484,25 +487,25 @@ class CarnatorStore:
     def enforce_size_limit(self, keep: Optional[str] = None) -> list:
         """Keeps the store within its limit; returns the evicted ids. Over it, the backend first frees what needs no
         eviction (compact: a farm's released blobs); then the least-benefit entries leave while the entries and the
-        backend's lasting files exceed it (transient bytes, which leave or become entries by themselves, never
-        make a live entry leave)."""
+        backend's lasting overhead exceed it (what leaves or becomes an entry by itself, a farm's released blobs and
+        writes in flight, never makes a live entry leave)."""
         evicted = []
         with self._lock:
             self._sync()
             backend = self._backend
-            overhead = backend.overhead_bytes()
-            if self._index.bytes + overhead > self.size_limit_bytes:
-                backend.compact(self._index.bytes + overhead - self.size_limit_bytes)
-                overhead = backend.overhead_bytes()
-            while self._index.bytes + overhead - backend.transient_bytes() > self.size_limit_bytes:
+            excess = self._index.bytes + backend.overhead_bytes() - self.size_limit_bytes
+            if excess > 0:
+                backend.compact(excess)
+            while self._index.bytes + backend.lasting_overhead_bytes() > self.size_limit_bytes:
                 victim = self._index.queue.first(skip=keep)
                 if victim is None:
                     break
                 self.delete(victim)
                 evicted.append(victim)
-                overhead = backend.overhead_bytes()
-            if evicted and self._index.bytes + overhead > self.size_limit_bytes:
-                backend.compact(self._index.bytes + overhead - self.size_limit_bytes)   # what they released
+                self._sync()   # another worker's evictions meanwhile count: evict only what is still needed
+            excess = self._index.bytes + backend.overhead_bytes() - self.size_limit_bytes
+            if evicted and excess > 0:
+                backend.compact(excess)   # what the evictions released
         if evicted:
             log.info("carnator: evicted %d entries to stay under %d bytes", len(evicted), self.size_limit_bytes)
         return evicted
@@ -663,6 +666,15 @@ class CarnatorStore:
     def _report(self, entry_id: str, why: str,
                 done: str = "it was skipped (delete it or clear the cache)") -> CorruptEntryError:
         return CorruptEntryError(self.report_problem(f"cache entry {entry_id} is corrupt: {why}; {done}"))
+
+    def withdraw_problem(self, message: str) -> bool:
+        """Takes back a problem not drained yet, because it was shown on the request it concerns (a write that failed
+        after that request's result was out): True when it was still waiting for the next request's warnings."""
+        with self._lock:
+            if message in self.problems:
+                self.problems.remove(message)
+                return True
+        return False
 
     def report_problem(self, message: str) -> str:
         """A problem the current request should show as a warning (drain_problems) and the log should keep."""

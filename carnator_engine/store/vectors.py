@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..signature import EarlySignature
+from ..threads import cpu_threads
 
 DENOISED_DIM = 192
 HIDDEN_DIM = 64
@@ -68,16 +69,8 @@ def one_torch_thread():
     a machine whose cores are busy (the sampler, other workers), each product waits for the slowest thread: a
     10k-entry lookup measured 31 ms with two threads on a busy 2-core machine against 4 ms with one. The pool
     is process-wide, so lookups take it one at a time and set it back after."""
-    with _threads_lock:
-        before = torch.get_num_threads()
-        if before == 1:
-            yield
-            return
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+    with _threads_lock, cpu_threads(1):
+        yield
 
 
 def compact_vectors(signatures: list) -> torch.Tensor:

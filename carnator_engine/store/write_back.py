@@ -32,10 +32,10 @@ class PendingWrite:
     def __init__(self, entry_id: str):
         self.entry_id = entry_id
         self._done = threading.Event()
-        self._stored = False
+        self.failure: Optional[str] = None    # once done: why it was not stored (as reported), None when it was
 
-    def finish(self, stored: bool) -> None:
-        self._stored = stored
+    def finish(self, failure: Optional[str]) -> None:
+        self.failure = failure
         self._done.set()
 
     @property
@@ -45,7 +45,7 @@ class PendingWrite:
     def wait(self) -> Optional[str]:
         """The entry id once it is written, or None if the write failed (the store reported why)."""
         self._done.wait()
-        return self.entry_id if self._stored else None
+        return self.entry_id if self.failure is None else None
 
 
 class BackgroundWriter:
@@ -99,10 +99,12 @@ class BackgroundWriter:
                 self._finished += 1
                 self._changed.notify_all()
 
-    def _run(self, entry_id: str, write) -> bool:
+    def _run(self, entry_id: str, write) -> Optional[str]:
+        """None once written; the failure as reported when the write failed."""
         try:
             write()
-            return True
+            return None
         except Exception as error:  # noqa: BLE001 - whatever failed, the request's result is already out: report it
-            self._report(f"the generation to be stored as {entry_id} was not stored: {error}")
-            return False
+            failure = f"the generation to be stored as {entry_id} was not stored: {error}"
+            self._report(failure)
+            return failure

@@ -115,7 +115,9 @@ try {
       }
       log(`queue run ${run} from the UI`);
       await page.evaluate(() => window.app.queuePrompt(0, 1));
-      await page.waitForFunction((count) => window.__carnatorDecisions.length >= count, run, { timeout });
+      // a write finishing after the node returned sends an update of its decision (write_done), not a request
+      await page.waitForFunction((count) => window.__carnatorDecisions.filter((d) => !d.write_done).length >= count,
+        run, { timeout });
     }
     decisions = await page.evaluate(() => window.__carnatorDecisions);
   }

@@ -41,11 +41,11 @@ def open_cache(comfy, directory, size_gb=1.0):
 
 def sampler_output(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
                    risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
-                   attention_density=1.0, **experts):
+                   attention_density=1.0, region_only=False, **experts):
     """The Carnator Sampler node's whole output: (latent, decision JSON) and the text it shows on itself."""
     out = node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
                                          "simple", probe_steps, risk, sparse_attention, attention_density,
-                                         unique_id=unique_id, prompt=prompt, **experts)
+                                         region_only=region_only, unique_id=unique_id, prompt=prompt, **experts)
     cache.writer.settle()   # the tests read the store directly; the next request and the routes wait by themselves
     return out
 
@@ -253,6 +253,44 @@ def test_with_redis_down_the_node_says_what_happened_once_on_its_own_request(com
         assert warnings[1].startswith("the generation to be stored as ") and "was not stored" in warnings[1]
         assert all(f"warning: {w}" in text for w in warnings)
     assert cache.drain_problems() == []                            # nothing left over for the next request
+
+
+def test_a_write_that_fails_after_the_result_is_out_is_told_on_its_own_node_not_the_next_request(
+        comfy, plugin, counted, conds, latent, tmp_path, monkeypatch):
+    """The write runs after the node returned (write_back): the node says "being stored as", and when the write then
+    fails (a full disk) the web widget of that node gets the failure and the next request shows no stale warning."""
+    import errno
+    import threading
+    import time
+    from carnator_engine.store import CarnatorStore
+    sent = []
+    server = types.SimpleNamespace(send_sync=lambda event, data: sent.append((event, data)))
+    monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=types.SimpleNamespace(
+        instance=server)))
+    released = threading.Event()
+
+    def full_disk(self, **entry):
+        released.wait(30)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(CarnatorStore, "put", full_disk)
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    out = node(comfy, "CarnatorSampler")(counted.model, cache, positive, negative, latent, SEED, STEPS, CFG, "euler",
+                                         "simple", PROBE, "balanced", True, 1.0, unique_id="7", prompt=None)
+    summary = json.loads(out.result[1])
+    assert summary["store_pending"] and f"being stored as {summary['stored_as']}" in hostsetup.shown_text(out)
+    released.set()
+    cache.writer.settle()
+    deadline = time.monotonic() + 10    # the notice's thread: sent, then taken back from the next request's warnings
+    while (len(sent) < 2 or any("was not stored" in p for p in cache.problems)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (_, shown), (event, update) = sent
+    assert event == "carnator.decision" and update["node"] == "7" and shown["store_pending"]
+    assert update["stored_as"] is None and not update["store_pending"] and update["write_done"]
+    assert [w for w in update["warnings"] if "was not stored" in w and "No space left on device" in w], update
+    monkeypatch.undo()
+    _, following = sample(comfy, counted.model, cache, nudged(positive), negative, latent)
+    assert not [w for w in following["warnings"] if "was not stored" in w], following["warnings"]
 
 
 def test_cache_node_blob_dir_makes_a_farm_whose_hits_cross_workers(comfy, plugin, counted, conds, latent, tmp_path):
@@ -571,8 +609,8 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     bad_sample(r"input 'attention_density': attention_density=nan is not a finite number",
                attention_density=float("nan"))
 
-    hunyuan = types.SimpleNamespace(model=type("HunyuanVideoI2V", (), {"diffusion_model": None})())
-    bad_sample(r"input 'model': Carnator: unsupported model HunyuanVideoI2V .*image-to-video", model=hunyuan)
+    vace = types.SimpleNamespace(model=type("WAN21_Vace", (), {"diffusion_model": None})())
+    bad_sample(r"input 'model': Carnator: unsupported model WAN21_Vace .*VACE adds control blocks", model=vace)
 
     probe = node(comfy, "CarnatorEarlyProbe")(counted.model, positive, negative, latent, SEED, STEPS, CFG,
                                                     "euler", "simple", PROBE, 0)[0]
@@ -637,10 +675,11 @@ NODE_INPUTS = {
                                   "cell_threshold", "max_target_fraction", "max_resume_fraction", "min_saved_steps",
                                   "refine_target", "shrink_with_risk", "max_context_share",
                                   "few_step_resume_fraction"],
-    "CarnatorTrajectoryResume": ["cache", "probe", "decision", "sparse_attention", "attention_density"],
+    "CarnatorTrajectoryResume": ["cache", "probe", "decision", "sparse_attention", "attention_density",
+                                 "region_only"],
     "CarnatorSampler": ["model", "cache", "positive", "negative", "latent_image", "seed", "steps", "cfg",
                         "sampler_name", "scheduler", "probe_steps", "risk", "sparse_attention", "attention_density",
-                        *EXPERTS],
+                        *EXPERTS, "region_only"],
 }
 DISPLAY_NAMES = {"CarnatorCache": "Carnator Cache", "CarnatorEarlyProbe": "Carnator Early Probe",
                  "CarnatorSignatureCacheLookup": "Carnator Signature Cache Lookup",

@@ -33,9 +33,8 @@ def shown(comfy, model, cache, positive, negative, latent, **kwargs) -> tuple:
     return json.loads(out.result[1]), hostsetup.shown_text(out)
 
 
-def test_a_4_step_lora_run_misses_hits_repeats_and_a_strength_change_is_a_new_bucket(comfy, plugin, tiny_model,
-                                                                                      host_dirs, conds, latent,
-                                                                                      tmp_path):
+def test_a_4_step_lora_run_misses_hits_at_aggressive_repeats_and_a_strength_change_is_a_new_bucket(
+        comfy, plugin, tiny_model, host_dirs, conds, latent, tmp_path):
     positive, negative = conds
     cache = open_cache(comfy, tmp_path / "cache")
     full = CallCounter(with_lora(comfy, host_dirs, tiny_model, 1.0))
@@ -47,17 +46,18 @@ def test_a_4_step_lora_run_misses_hits_repeats_and_a_strength_change_is_a_new_bu
     assert not miss["reuse"] and miss["probe_steps"] == 1 and full.take() == STEPS == miss["model_calls"]
     assert (first["samples"] - plain["samples"]).abs().max() < 1e-4          # a miss is plain sampling
 
-    _, hit = four_steps(comfy, full.model, cache, nudged(positive), negative, latent)
+    _, hit = four_steps(comfy, full.model, cache, nudged(positive), negative, latent, risk="aggressive")
     assert hit["reuse"] and hit["entry_id"] == miss["stored_as"], hit["reasons"]
     assert hit["resume_step"] == 3 and full.take() == hit["model_calls"] == 2
+
+    refused, text = shown(comfy, full.model, cache, nudged(positive, 1.002), negative, latent)   # balanced, the default
+    assert not refused["reuse"] and full.take() == STEPS
+    assert refused["why"].startswith("no reuse at 4 steps at this risk level"), refused["reasons"]
+    assert text.startswith("Carnator MISS (balanced)") and "no reuse at 4 steps" in text, text   # on the node too
 
     _, repeat = four_steps(comfy, full.model, cache, positive, negative, latent)
     assert repeat["exact_repeat"] and full.take() == 0
 
-    refused, text = shown(comfy, full.model, cache, nudged(positive, 1.002), negative, latent, risk="safe")
-    assert not refused["reuse"] and full.take() == STEPS       # safe resumes at step 2 at most: nothing to save
-    assert refused["why"].endswith("reuse cannot pay here"), refused["reasons"]
-    assert text.startswith("Carnator MISS (safe)") and "reuse cannot pay here" in text, text   # on the node too
 
     half = CallCounter(with_lora(comfy, host_dirs, tiny_model, 0.5))
     other, text = shown(comfy, half.model, cache, nudged(positive), negative, latent)
@@ -103,7 +103,7 @@ def test_wan22_experts_at_2_plus_2_steps_hit_on_the_low_noise_expert(comfy, plug
                                     probe_steps=AUTO_PROBE, switch_step=2)
     assert not miss["reuse"] and (high.take(), low.take()) == (2, 2)
     _, hit = two_expert_sample(comfy, (high, low), cache, nudged(positive), negative, latent, steps=STEPS, cfg=CFG,
-                               probe_steps=AUTO_PROBE, switch_step=2)
+                               probe_steps=AUTO_PROBE, switch_step=2, risk="aggressive")
     assert hit["reuse"] and hit["resume_step"] == 3, hit["reasons"]
     assert (high.take(), low.take()) == (1, 1)          # the probe on the high-noise expert, step 3 on the low one
 

@@ -10,7 +10,7 @@ import torch
 
 import hostsetup
 from conftest import CallCounter
-from test_comfyui_host import CFG, PROBE, SEED, STEPS, node, nudged, open_cache, sample, store_state
+from test_comfyui_host import CFG, PROBE, SEED, STEPS, node, nudged, open_cache, sample
 
 TOKENS = 5 * 8 * 8            # the video tokens of the test latent
 
@@ -104,16 +104,16 @@ def test_sampler_miss_then_hit_with_fewer_calls(comfy, plugin, hunyuan, latent, 
     assert not refused["reuse"] and counter.take() == STEPS
 
 
-@pytest.mark.parametrize("channels, cls", [(33, "HunyuanVideoI2V"), (32, "HunyuanVideoSkyreelsI2V")])
-def test_image_to_video_variants_are_refused_with_the_reason(comfy, plugin, host_dirs, latent, tmp_path, channels,
-                                                              cls):
-    name = hostsetup.build_tiny_hunyuan(host_dirs["models"], in_channels=channels,
-                                        name=f"carnator_test_tiny_{cls}.safetensors")
+def test_skyreels_image_to_video_miss_equals_ksampler(comfy, plugin, host_dirs, latent, tmp_path):
+    """SkyReels I2V (32 input channels: the latent and the image latent, ComfyUI's concat_keys) samples as KSampler
+    does; the start image's cache behaviour is tested with HunyuanVideo I2V in test_image_to_video.py."""
+    name = hostsetup.build_tiny_hunyuan(host_dirs["models"], in_channels=32,
+                                        name="carnator_test_tiny_HunyuanVideoSkyreelsI2V.safetensors")
     model = node(comfy, "UNETLoader").load_unet(name, "default")[0]
-    assert type(model.model).__name__ == cls
-    cache = open_cache(comfy, tmp_path / "cache")
-    before = store_state(cache)
-    with pytest.raises(ValueError, match=rf"Carnator Sampler: input 'model': Carnator: unsupported model {cls} "
-                                         r"\(diffusion model HunyuanVideo\): image-to-video"):
-        sample(comfy, model, cache, hostsetup.hunyuan_conditioning(1), hostsetup.hunyuan_conditioning(2), latent)
-    assert store_state(cache) == before
+    assert type(model.model).__name__ == "HunyuanVideoSkyreelsI2V"
+    image = torch.rand(1, 16, 16, 16, generator=torch.Generator().manual_seed(3))[:, :, None].expand(1, 16, 5, 16, 16)
+    positive = [[t, {**o, "concat_latent_image": image}] for t, o in hostsetup.hunyuan_conditioning(1)]
+    negative = hostsetup.hunyuan_conditioning(2)
+    reference = ksampler(comfy, model, positive, negative, latent)["samples"]
+    out, miss = sample(comfy, model, open_cache(comfy, tmp_path / "cache"), positive, negative, latent)
+    assert not miss["reuse"] and (out["samples"] - reference).abs().max() < 1e-5 * max(1.0, float(reference.abs().max()))

@@ -71,32 +71,43 @@ def test_tiny_i2v_models_load_as_the_host_detects_them(comfy, plugin, wan21_i2v,
     assert backbone_for(wan21_i2v).model_class == backbone_for(high).model_class == "WAN21"
 
 
-def test_wan21_i2v_reuses_only_generations_of_the_same_start_image(comfy, plugin, wan21_i2v, conds, tmp_path):
-    counted = CallCounter(wan21_i2v)
-    cache = open_cache(comfy, tmp_path / "cache")
-    requests = {image: wan_image_to_video(comfy, conds, image, clip_vision=True) for image in IMAGES}
+def reuses_only_its_own_start_image(comfy, model, requests: dict, cache_dir, kept_first_frame=False) -> None:
+    """requests: image -> (positive, negative, latent), one prompt. Each image's miss equals KSampler; the second
+    image is a miss that names the start image; each exact repeat returns its own image's result with no model call;
+    a prompt edit hits only its own image's generation. kept_first_frame: the latent's noise mask keeps the image in
+    frame 0 (Wan 2.2 TI2V 5B, HunyuanVideo I2V v2), on a miss and on a hit."""
+    counted = CallCounter(model)
+    cache = open_cache(comfy, cache_dir)
 
+    def first_frame_kept(out, latent):
+        return not kept_first_frame or torch.allclose(out["samples"][:, :, 0], latent["samples"][:, :, 0], atol=1e-4)
     stored, references = {}, {}
     for image in IMAGES:
         positive, negative, latent = requests[image]
-        reference = references[image] = ksampler(comfy, wan21_i2v, positive, negative, latent)["samples"]
+        reference = references[image] = ksampler(comfy, counted.model, positive, negative, latent)["samples"]
+        full = counted.take()     # STEPS when cond and uncond batch, twice that when they cannot (v2's guiding frame)
         out, miss = sample(comfy, counted.model, cache, positive, negative, latent)
-        assert not miss["reuse"] and counted.take() == STEPS and miss["stored_as"]   # cond + uncond batched
+        assert not miss["reuse"] and counted.take() == full and miss["stored_as"]
         assert close(out["samples"], reference), (out["samples"] - reference).abs().max()
+        assert first_frame_kept(out, latent)
         stored[image] = miss["stored_as"]
         if image == "forest":     # same prompt, same seed, other image: its own bucket, never the sunset's
             assert "differs in start image" in " ".join(miss["reasons"]), miss["reasons"]
     assert (references["sunset"] - references["forest"]).abs().max() > 1e-2     # the image does change the video
-
     for image in IMAGES:          # an exact repeat needs the same image: each gets its own stored result
         positive, negative, latent = requests[image]
-        out, repeat = sample(comfy, counted.model, cache, positive, negative, latent)
+        _, repeat = sample(comfy, counted.model, cache, positive, negative, latent)
         assert repeat["exact_repeat"] and repeat["entry_id"] == stored[image] and counted.take() == 0
     for image in IMAGES:          # a prompt edit hits, and only ever the generation of its own start image
         positive, negative, latent = requests[image]
         out, hit = sample(comfy, counted.model, cache, nudged(positive), negative, latent)
         assert hit["reuse"] and hit["entry_id"] == stored[image], hit["reasons"]
-        assert counted.take() < STEPS
+        assert counted.take() < full and first_frame_kept(out, latent)
+
+
+def test_wan21_i2v_reuses_only_generations_of_the_same_start_image(comfy, plugin, wan21_i2v, conds, tmp_path):
+    requests = {image: wan_image_to_video(comfy, conds, image, clip_vision=True) for image in IMAGES}
+    reuses_only_its_own_start_image(comfy, wan21_i2v, requests, tmp_path / "cache")
 
 
 def test_the_start_image_and_its_clip_vision_encoding_are_part_of_the_bucket(comfy, plugin, wan21_i2v, conds):
@@ -155,30 +166,41 @@ def ti2v_latent(comfy, image: str) -> dict:
 
 
 def test_ti2v_5b_keeps_the_start_image_and_reuses_only_its_generations(comfy, plugin, wan22_5b, conds, tmp_path):
-    counted = CallCounter(wan22_5b)
-    cache = open_cache(comfy, tmp_path / "cache")
     positive, negative = conds
-    stored = {}
+    requests = {image: (positive, negative, ti2v_latent(comfy, image)) for image in IMAGES}
+    mask = requests["sunset"][2]["noise_mask"]
+    assert mask[:, :, 0].max() == 0 and mask[:, :, 1:].min() == 1
+    reuses_only_its_own_start_image(comfy, wan22_5b, requests, tmp_path / "cache", kept_first_frame=True)
+    out, _ = sample(comfy, wan22_5b, open_cache(comfy, tmp_path / "other"), *requests["sunset"])
+    assert torch.equal(out["noise_mask"], mask)                           # passed on, as KSampler's output does
+
+
+@pytest.fixture(scope="module")
+def hunyuan_i2v(comfy, host_dirs):
+    name = hostsetup.build_tiny_hunyuan(host_dirs["models"], in_channels=33,
+                                        name="carnator_test_tiny_HunyuanVideoI2V.safetensors")
+    model = load(comfy, name)
+    assert type(model.model).__name__ == "HunyuanVideoI2V"
+    return model
+
+
+def hunyuan_image_to_video(comfy, image: str, guidance_type: str):
+    """(positive, latent) from HunyuanImageToVideo with `image`: 128x128, 17 frames."""
+    vae = hostsetup.fixture_module().PixelPoolVAE(16)
+    return node(comfy, "HunyuanImageToVideo").encode(hostsetup.hunyuan_conditioning(1), vae, 128, 128, 17, 1,
+                                                     guidance_type, start_image=hostsetup.start_image(image))
+
+
+@pytest.mark.parametrize("guidance_type", ["v1 (concat)", "v2 (replace)"])
+def test_hunyuan_video_i2v_reuses_only_generations_of_the_same_start_image(comfy, plugin, hunyuan_i2v, tmp_path,
+                                                                           guidance_type):
+    negative = hostsetup.hunyuan_conditioning(2)
+    requests = {}
     for image in IMAGES:
-        latent = ti2v_latent(comfy, image)
-        assert latent["noise_mask"][:, :, 0].max() == 0 and latent["noise_mask"][:, :, 1:].min() == 1
-        reference = ksampler(comfy, wan22_5b, positive, negative, latent)["samples"]
-        out, miss = sample(comfy, counted.model, cache, positive, negative, latent)
-        assert not miss["reuse"] and counted.take() == STEPS
-        assert close(out["samples"], reference), (out["samples"] - reference).abs().max()
-        assert torch.allclose(out["samples"][:, :, 0], latent["samples"][:, :, 0], atol=1e-4)   # the image, kept
-        assert torch.equal(out["noise_mask"], latent["noise_mask"])                            # as KSampler's
-        stored[image] = miss["stored_as"]
-        if image == "forest":
-            assert "differs in start image" in " ".join(miss["reasons"]), miss["reasons"]
-    for image in IMAGES:
-        latent = ti2v_latent(comfy, image)
-        _, repeat = sample(comfy, counted.model, cache, positive, negative, latent)
-        assert repeat["exact_repeat"] and repeat["entry_id"] == stored[image] and counted.take() == 0
-        out, hit = sample(comfy, counted.model, cache, nudged(positive), negative, latent)
-        assert hit["reuse"] and hit["entry_id"] == stored[image], hit["reasons"]
-        assert counted.take() < STEPS
-        assert torch.allclose(out["samples"][:, :, 0], latent["samples"][:, :, 0], atol=1e-4)
+        positive, latent = hunyuan_image_to_video(comfy, image, guidance_type)
+        requests[image] = (positive, negative, latent)
+    reuses_only_its_own_start_image(comfy, hunyuan_i2v, requests, tmp_path / "cache",
+                                    kept_first_frame=guidance_type.startswith("v2"))
 
 
 def test_ti2v_runner_resumes_a_masked_trajectory_at_any_step(comfy, plugin, wan22_5b, conds):

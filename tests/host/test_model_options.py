@@ -212,7 +212,8 @@ def test_an_option_carnator_cannot_read_makes_a_plain_generation(comfy, plugin, 
     model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, "third_party", wrapper)
     unreadable = easycache(comfy, tiny_model)
     unreadable.model_options["transformer_options"]["easycache"].reuse_threshold = torch.tensor(3.0)  # runs in it
-    for bad, named in ((model, "closure opaque) (an object of type Opaque"),
+    for bad, named in ((model, "another node's wrapper on the diffusion model ('third_party'), its value opaque (an "
+                               "object of type Opaque"),
                        (unreadable, "EasyCache reuse_threshold=tensor(3.) is not a number Carnator can read")):
         counter = CallCounter(bad)
         for _ in range(2):    # the same request twice: no repeat either

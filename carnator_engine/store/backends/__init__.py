@@ -13,8 +13,8 @@ change log so every process sharing the store can keep its in-memory index curre
 - `load_snapshot()` (bytes or None), `save_snapshot(data)`: the index snapshot (index_snapshot.py), one value
   replaced whole; `identity`: a token made when the store was created, which a snapshot names;
 - `clear()`, `overhead_bytes()` (what the store takes beyond its entries' bytes; the size limit counts it),
-  `transient_bytes()` (the part of it that leaves, or becomes entries, without an eviction: never a reason to
-  evict), `compact(excess)` (frees up to `excess` bytes without evicting), `reclaim_orphans()` -> (count, bytes),
+  `lasting_overhead_bytes()` (the part of it that stays until entries are evicted; the rest leaves, or becomes
+  entries, by itself and is never a reason to evict), `compact(excess)` (frees up to `excess` bytes without evicting), `reclaim_orphans()` -> (count, bytes),
   `check_present()` (StoreUnavailable when a part may be missing for want of the medium, not by damage: a folder
   unmounted), `close()`; `location`: where it lives, safe to show (no password).
 Every failure of the medium is raised as StoreError naming the location and what to do; StoreUnavailable (one

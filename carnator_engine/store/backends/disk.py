@@ -340,8 +340,8 @@ class DiskBackend:
                 pass
         return total + sum(self._pending_orphans.values())
 
-    def transient_bytes(self) -> int:
-        return 0   # orphans in their grace period stay until a sweep: the limit makes room for them
+    def lasting_overhead_bytes(self) -> int:
+        return self.overhead_bytes()   # orphans in their grace period stay until a sweep: evicting makes room
 
     def check_present(self) -> None:
         """StoreUnavailable when the folder lost its marker (a drive unmounted under a running store): a blob

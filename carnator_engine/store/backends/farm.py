@@ -26,8 +26,8 @@ What it promises, beside the backend contract (backends/__init__.py):
 - a released file stays BLOB_GRACE_SECONDS for readers in flight, unless space is short: over the size limit, or
   a write failing with a full disk, released files go at once (a reader that loses its file generates in full);
 - the size limit counts the folder: entries through their sizes, and every worker reads the released files and
-  the writes in flight from Redis (overhead_bytes). Those two never make a live entry leave (transient_bytes):
-  they leave, or become entries, by themselves.
+  the writes in flight from Redis (overhead_bytes). Those two never make a live entry leave
+  (lasting_overhead_bytes is 0): they leave, or become entries, by themselves.
 """
 from __future__ import annotations
 
@@ -128,7 +128,11 @@ class FarmBackend:
                             time.sleep(0.02)
                             continue
                         self._register_write(name, HEADER_BYTES + len(blob))
-                        self._write(name, blob)   # after the tombstone check: a collector after it fails
+                        try:
+                            self._write(name, blob)   # after the tombstone check: a collector after it fails
+                        except StoreError:
+                            self._unregister_write(name)   # nothing of it stayed behind (write_whole)
+                            raise
                         pipe.multi()
                         self._redis.queue_put(pipe, entry_id, meta, {"sig": parts["sig"], "thumb": parts["thumb"]})
                         pipe.set(self._name_key(entry_id), name)
@@ -151,6 +155,15 @@ class FarmBackend:
         pipe.zadd(WRITES_KEY, {name: time.time()})
         pipe.hset(WRITE_BYTES, name, size)
         pipe.execute()
+
+    def _unregister_write(self, name: str) -> None:
+        try:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.zrem(WRITES_KEY, name)
+            pipe.hdel(WRITE_BYTES, name)
+            pipe.execute()
+        except self._redis._errors.RedisError:
+            pass   # left registered: reclaim_orphans finds nothing to delete and forgets it
 
     def _write(self, name: str, blob: bytes) -> None:
         """The blob's file; on a full disk, the released files are deleted at once (their grace period is a
@@ -346,10 +359,10 @@ class FarmBackend:
         except StoreError:
             return 0
 
-    def transient_bytes(self) -> int:
-        """All of overhead_bytes: released files are deleted (compact) and writes in flight become entries, so
+    def lasting_overhead_bytes(self) -> int:
+        """None of overhead_bytes: released files are deleted (compact) and writes in flight become entries, so
         neither may make a live entry leave."""
-        return self.overhead_bytes()
+        return 0
 
     def compact(self, excess: int) -> None:
         """Over the size limit: released files deleted at once, oldest release first, until `excess` bytes are

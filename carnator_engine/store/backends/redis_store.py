@@ -328,7 +328,7 @@ class RedisBackend:
     def overhead_bytes(self) -> int:
         return 0   # the server's own memory is its administrator's (maxmemory), not part of the entries' limit
 
-    def transient_bytes(self) -> int:
+    def lasting_overhead_bytes(self) -> int:
         return 0
 
     def compact(self, excess: int) -> None:

@@ -1,0 +1,134 @@
+"""Region-only resume through the real host, on every supported backbone's tiny model (ComfyUI's own classes).
+
+A step run twice from the same latent, first every token (capturing the others' keys and values), then the target
+tokens alone, gives the target region the same result: the token cut reaches every block argument with a token
+axis (Wan's rope, HunyuanVideo's joint rope and text padding mask, LTX-Video's rope) and the attention of the target
+still sees the whole clip. A hook on the first transformer block counts the rows it receives.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hostsetup
+from test_comfyui_host import SEED, STEPS, nudged, open_cache, sample
+
+REGION_STEP = 4
+
+
+def _ltxv_model(comfy, directory):
+    import comfy.ldm.modules.attention as attention
+    model = comfy.NODE_CLASS_MAPPINGS["UNETLoader"]().load_unet(hostsetup.build_tiny_ltxv(directory), "default")[0]
+
+    def masked_sdpa(func, *args, **kwargs):     # the CPU default (sub-quadratic) rejects LTXV's text mask
+        return attention.attention_pytorch(*args, **kwargs)
+    model.model_options["transformer_options"]["optimized_attention_override"] = masked_sdpa
+    mask = {"attention_mask": torch.ones(1, 1, 128)}
+    conds = ([[hostsetup.conditioning(1)[0][0][:, :128], dict(mask)]],
+             [[hostsetup.conditioning(2)[0][0][:, :128], dict(mask)]])
+    return model, conds, (1, 128, 3, 8, 8), "transformer_blocks"
+
+
+def _backbone(comfy, name, directory):
+    """(MODEL, (positive, negative), latent shape, attribute holding the blocks) of a tiny model."""
+    load = comfy.NODE_CLASS_MAPPINGS["UNETLoader"]().load_unet
+    if name == "wan2.1":
+        model = load(hostsetup.build_tiny_wan(directory), "default")[0]
+        return model, (hostsetup.conditioning(1), hostsetup.conditioning(2)), (1, 16, 5, 16, 16), "blocks"
+    if name == "wan2.2-5b":
+        model = load(hostsetup.build_tiny_wan(directory, seed=13, name=hostsetup.TINY_WAN22_5B, channels=48),
+                     "default")[0]
+        return model, (hostsetup.conditioning(1), hostsetup.conditioning(2)), (1, 48, 3, 8, 8), "blocks"
+    if name == "hunyuan":
+        model = load(hostsetup.build_tiny_hunyuan(directory), "default")[0]
+        conds = (hostsetup.hunyuan_conditioning(1, padded=8), hostsetup.hunyuan_conditioning(2))
+        return model, conds, (1, 16, 5, 16, 16), "double_blocks"
+    return _ltxv_model(comfy, directory)
+
+
+@pytest.mark.parametrize("cfg", [1.0, 3.0])
+@pytest.mark.parametrize("name", ["wan2.1", "wan2.2-5b", "hunyuan", "ltxv"])
+def test_a_region_step_gives_the_target_what_the_full_step_gives_it(comfy, plugin, host_dirs, name, cfg):
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.observer import GenerationObserver
+    from carnator_engine.region import RegionTokens, latent_mask_of_tokens
+    model, (positive, negative), shape, blocks = _backbone(comfy, name, host_dirs["models"])
+    runner = ComfyRunner(model, positive, negative, cfg, "euler", "simple", steps=STEPS, seed=SEED)
+    grid = runner.layout.token_grid(shape)
+    target = torch.zeros(grid, dtype=torch.bool)
+    target[1:, : grid[1] // 2, 1:] = True                 # a corner of the clip after its first frame
+    target = target.flatten()
+    sigma = float(runner.sigmas[REGION_STEP])
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * sigma
+
+    rows = []
+    first = getattr(model.model.diffusion_model, blocks)[0]
+    handle = first.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(int((args[0] if args else kwargs.get("img", kwargs.get("x"))).shape[1])),
+        with_kwargs=True)
+    region = RegionTokens(target, frozenset({REGION_STEP}))
+    try:
+        full_observer = GenerationObserver(region=region)
+        full = runner.run(x, runner.sigmas, REGION_STEP, REGION_STEP + 1, full_observer)
+        assert region.keys_values and not region.active
+        region.full_steps = frozenset()                   # the same step again, now as a region step
+        part_observer = GenerationObserver(region=region)
+        part = runner.run(x, runner.sigmas, REGION_STEP, REGION_STEP + 1, part_observer)
+        assert region.active and not region.missing
+    finally:
+        handle.remove()
+    kept, length = int(target.sum()), target.numel()
+    forwards = full_observer.forwards
+    assert forwards == part_observer.forwards >= 1
+    assert rows == [length] * forwards + [kept] * forwards           # the region step: the target rows only
+    inside = latent_mask_of_tokens(runner.layout, target, shape[-3:])
+    scale = float(full.abs().max())
+    assert (part[..., inside] - full[..., inside]).abs().max() <= 1e-4 * max(1.0, scale)
+    assert torch.isfinite(part).all()
+
+
+def test_the_sampler_node_says_how_a_hit_resumed(comfy, plugin, tiny_model, conds, latent, tmp_path):
+    cache = open_cache(comfy, tmp_path / "cache")
+    positive, negative = conds
+    _, miss = sample(comfy, tiny_model, cache, positive, negative, latent, region_only=True)
+    assert not miss["reuse"]
+    _, hit = sample(comfy, tiny_model, cache, nudged(positive), negative, latent, region_only=True)
+    assert hit["reuse"] and "region_only" in hit["numbers"] and not hit["warnings"]
+    said = [reason for reason in hit["reasons"] if "region-only" in reason or "whole-clip resume" in reason]
+    assert said and ("whole-clip resume" in said[-1]) != hit["numbers"]["region_only"]
+
+
+def test_two_experts_recapture_the_other_tokens_at_the_switch(comfy, plugin, host_dirs):
+    """Wan 2.2 A14B: the low-noise expert's keys differ from the high-noise expert's, so its first step runs every
+    token again and the region steps after it attend to its own keys."""
+    from carnator_engine import resume as resume_stage
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.observer import GenerationObserver
+    from carnator_engine.pipeline import CarnatorConfig
+    from carnator_engine.region import RegionTokens
+    from test_two_experts import HIGH, LOW, load
+    hostsetup.build_tiny_wan(host_dirs["models"], seed=11, name=HIGH)
+    hostsetup.build_tiny_wan(host_dirs["models"], seed=12, name=LOW)
+    high, low = load(comfy, HIGH), load(comfy, LOW)
+    positive, negative = hostsetup.conditioning(1), hostsetup.conditioning(2)
+    runner = ComfyRunner(high, positive, negative, 3.0, "euler", "simple", steps=STEPS, seed=SEED,
+                         low_noise_model=low, switch_step=6)
+    decision = type("Decision", (), {"resume_step": 3, "steps": STEPS})()
+    full = resume_stage._full_steps(runner, decision, CarnatorConfig(region_full_steps=1))
+    assert full == {3, 6}
+    shape = (1, 16, 5, 16, 16)
+    target = torch.zeros(runner.layout.token_grid(shape), dtype=torch.bool)
+    target[:, :4] = True
+    region = RegionTokens(target.flatten(), full)
+    modes = []
+    original = region.begin_step
+
+    def begin_step(step):
+        original(step)
+        modes.append((step, region.capturing, region.active))
+    region.begin_step = begin_step
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * float(runner.sigmas[3])
+    out = runner.run(x, runner.sigmas, 3, 9, GenerationObserver(region=region))
+    assert modes == [(3, True, False), (4, False, True), (5, False, True), (6, True, False), (7, False, True),
+                     (8, False, True)]
+    assert torch.isfinite(out).all() and not region.missing

@@ -1,0 +1,52 @@
+"""Every temporary file of a test run lives under one folder of that run, removed at its end (a pytest plugin).
+
+pytest's tmp_path folders, torch's compile cache, and whatever the tests, the benchmarks they run and the processes
+they start put in the temporary folder (TMPDIR points there) all go under it. What a test or benchmark leaves in
+TMPDIR fails the run and is named: in /tmp it would pile up run after run.
+"""
+import os
+import shutil
+import tempfile
+
+import pytest
+
+_RUN: dict = {}
+_LEFT: list = []
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest's own tmp_path plugin reads --basetemp
+def pytest_configure(config):
+    run = tempfile.mkdtemp(prefix="carnator-tests-")
+    temp = os.path.join(run, "tmp")
+    os.mkdir(temp)
+    _RUN.update(run=run, temp=temp, environ={name: os.environ.get(name) for name in
+                                             ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")})
+    if config.option.basetemp is None:
+        config.option.basetemp = os.path.join(run, "pytest")
+    os.environ["TMPDIR"] = tempfile.tempdir = temp
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(run, "torchinductor"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _LEFT[:] = sorted(os.listdir(_RUN["temp"])) if _RUN else []
+    if _LEFT and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _LEFT:
+        terminalreporter.write_line(f"FAILED: the run left {', '.join(_LEFT)} in the temporary folder: the test or "
+                                    "benchmark that made it must remove it", red=True)
+
+
+def pytest_unconfigure(config):
+    if not _RUN:
+        return
+    for name, value in _RUN["environ"].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    tempfile.tempdir = None
+    shutil.rmtree(_RUN["run"], ignore_errors=True)
+    _RUN.clear()

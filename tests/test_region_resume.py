@@ -1,0 +1,252 @@
+"""Region-only resume on the tiny DiT: the target tokens alone through the blocks, the whole clip in their attention,
+the same result as whole-clip resume when the target is the whole clip, and each fallback with its reason."""
+import dataclasses
+
+import pytest
+import torch
+
+from carnator_engine import resume as resume_stage
+from carnator_engine.euler import TinyDiTRunner
+from carnator_engine.localize import latent_mask
+from carnator_engine.observer import GenerationObserver
+from carnator_engine.pipeline import CarnatorConfig, decide, generate, lookup, probe, resume
+from carnator_engine.region import RegionTokens, latent_mask_of_tokens, target_tokens
+from carnator_engine.schedule import flow_sigmas
+
+STEPS = 12
+SIGMAS = flow_sigmas(STEPS)
+# a gate loose enough that another seed of the same prompt is a hit
+LOOSE = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, max_context_share=10.0, cell_threshold=0.05,
+             max_target_fraction=1.0, max_resume_fraction=0.9, refine_target=True, shrink_with_risk=False)
+PROMPT = "a red circle moving left"
+
+
+def _noise(seed):
+    return torch.randn(1, 3, 8, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def _config(**kwargs):
+    return CarnatorConfig(probe_steps=2, block_size=64, gate_overrides=dict(LOOSE), **kwargs)
+
+
+def _hit(model, store, seed=2, guidance=1.0, **kwargs):
+    """A first request (seed 1) generated and stored, then `seed` through the staged path."""
+    generate(TinyDiTRunner(model, PROMPT, guidance), _noise(1), SIGMAS, store, _config(), PROMPT, 1)
+    runner, config = TinyDiTRunner(model, PROMPT, guidance), _config(**kwargs)
+    probed = probe(runner, _noise(seed), SIGMAS, config)
+    decision = decide(probed, lookup(store, probed, config), config)
+    assert decision.reuse and decision.refine_step is not None
+    cells = torch.zeros_like(decision.target_cells)   # the random-weight model marks every cell: a corner instead
+    cells[:, : max(1, cells.shape[1] // 4), : max(1, cells.shape[2] // 4)] = True
+    return runner, probed, dataclasses.replace(decision, target_cells=cells), config
+
+
+def _block_rows(model):
+    """Rows (tokens) the first block receives, per forward."""
+    rows = []
+    handle = model.blocks[0].register_forward_pre_hook(lambda module, args: rows.append(int(args[0].shape[1])))
+    return rows, handle
+
+
+def test_region_only_equals_whole_clip_resume_when_the_target_is_the_whole_clip(tiny_model, store):
+    runner, probed, decision, config = _hit(tiny_model, store)
+    decision = dataclasses.replace(decision, target_cells=torch.ones_like(decision.target_cells))
+    payload = store.trajectory(store.record(decision.entry_id))
+    whole = resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver())
+    tokens = torch.ones(runner.layout.token_grid(probed.latent.shape), dtype=torch.bool).flatten()
+    region = RegionTokens(tokens, frozenset({decision.resume_step}))
+    regional = resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver(), region)
+    assert torch.equal(regional, whole)
+    assert region.tokens_through_blocks == tokens.numel() * (STEPS - decision.resume_step - config.region_full_steps)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+def test_only_the_target_tokens_go_through_the_blocks_and_attend_to_the_whole_clip(tiny_model, store, monkeypatch,
+                                                                                   guidance):
+    runner, probed, decision, config = _hit(tiny_model, store, guidance=guidance, region_only=True,
+                                            region_max_share=1.0, region_full_steps=1)
+    seen = []
+    original = RegionTokens.attention_inputs
+
+    def attention_inputs(self, block, q, k, v):
+        k2, v2 = original(self, block, q, k, v)
+        seen.append((self.active, int(q.shape[0]), int(q.shape[2]), int(k2.shape[2])))
+        return k2, v2
+    monkeypatch.setattr(RegionTokens, "attention_inputs", attention_inputs)
+    rows, handle = _block_rows(tiny_model)
+    try:
+        result = resume(runner, probed, decision, GenerationStoreView(store), config, PROMPT, 2)
+    finally:
+        handle.remove()
+    d = result.decision
+    assert d.reuse and d.numbers["region_only"] and any("region-only resume, expected" in r for r in d.reasons)
+    length = 8 * 8 * 8
+    target = target_tokens(runner.layout, latent_mask(d.target_cells, (8, 32, 32)), resume_stage.REGION_HALO)
+    kept = int(target.sum())
+    assert 0 < kept < length and d.numbers["region_share"] == pytest.approx(kept / length, abs=1e-4)
+    k, m = d.resume_step, d.refine_step
+    region_steps = STEPS - k - 2          # step k captures the other tokens' keys, the last step runs every token
+    assert rows == [length] * (m is not None) + [length] + [kept] * region_steps + [length]
+    batch = 2 if guidance != 1.0 else 1
+    region_attention = [s for s in seen if s[0]]
+    assert len(region_attention) == region_steps * len(tiny_model.blocks)
+    assert all(s == (True, batch, kept, length) for s in region_attention)     # target queries, every key
+    assert result.model_calls == probed.model_calls + (m is not None) + STEPS - k and not result.warnings
+    assert torch.isfinite(result.latent).all()
+    assert torch.equal(store.trajectory(store.record(result.entry_id)).final, result.latent.cpu())
+
+
+def test_a_region_only_hit_keeps_no_checkpoint_of_its_region_steps(tiny_model, store):
+    """Outside the target, the sampler's latent in a region step is not the clip: a later hit must never resume
+    from it. The joined latent entering the last full step is kept."""
+    from carnator_engine.observer import CheckpointRecorder
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    payload = store.trajectory(store.record(decision.entry_id))
+    decision, region, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
+    assert region is not None
+    observer = GenerationObserver(checkpoints=CheckpointRecorder(frozenset(range(STEPS))))
+    resume_stage.follow_entry(runner, probed, decision, payload, config, observer, region)
+    end = STEPS - config.region_full_steps
+    kept = set(observer.checkpoints.latents)
+    assert end in kept and not kept & set(range(decision.resume_step, end))
+
+
+class GenerationStoreView:
+    """The store, as the resume stage reads it (a thin pass-through so a test can swap one method)."""
+
+    def __init__(self, store, trajectory=None):
+        self._store, self._trajectory = store, trajectory
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def trajectory(self, record):
+        payload = self._store.trajectory(record)
+        return self._trajectory(payload) if self._trajectory else payload
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda p: dataclasses.replace(p, final=None), "holds no final latent"),
+    (lambda p: dataclasses.replace(p, final=p.final[:, :, :4]), "holds a final latent of shape"),
+])
+def test_an_entry_without_a_usable_final_latent_resumes_whole_clip_with_a_warning(tiny_model, store, damage, why):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    result = resume(runner, probed, decision, GenerationStoreView(store, damage), config, PROMPT, 2)
+    assert result.decision.reuse and not result.decision.numbers.get("region_only")
+    assert any(why in r and "whole-clip resume" in r for r in result.decision.reasons)
+    assert any(why in w for w in result.warnings)
+    assert result.model_calls == probed.model_calls + (result.decision.refine_step is not None) + \
+        STEPS - result.decision.resume_step
+
+
+def test_a_target_over_the_limit_resumes_whole_clip_with_the_reason(tiny_model, store):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=0.01)
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    assert result.decision.reuse and result.decision.numbers["region_only"] is False
+    assert any("over the region-only limit of 1%: whole-clip resume" in r for r in result.decision.reasons)
+    assert not result.warnings
+
+
+def test_region_only_that_would_save_too_little_resumes_whole_clip(tiny_model, store):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0,
+                                            region_full_steps=STEPS)
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    assert result.decision.reuse and result.decision.numbers["region_only"] is False
+    assert any("region-only saves under 10 % here, whole-clip resume" in r for r in result.decision.reasons)
+
+
+def test_a_region_only_hit_whose_entry_is_gone_is_a_full_generation(tiny_model, store):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    store.delete(decision.entry_id)
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    assert not result.decision.reuse and result.model_calls == STEPS
+    assert any("could not be read" in r for r in result.decision.reasons)
+
+
+def test_region_settings_are_validated_with_the_fix():
+    with pytest.raises(ValueError, match=r"region_max_share=0 must be in \(0, 1\]"):
+        CarnatorConfig(region_max_share=0).validate(10)
+    with pytest.raises(ValueError, match="region_full_steps=-1 must be a whole number >= 0"):
+        CarnatorConfig(region_full_steps=-1).validate(10)
+    with pytest.raises(ValueError, match="region_only must be True or False"):
+        CarnatorConfig(region_only="yes").validate(10)
+
+
+def test_block_arguments_are_cut_along_their_token_axis_and_put_back():
+    target = torch.zeros(12, dtype=torch.bool)
+    target[[1, 5, 7]] = True
+    region = RegionTokens(target, frozenset({0}))
+    region.begin_step(0)
+    region.forward()
+    captured = torch.arange(12.0).reshape(1, 1, 12, 1).expand(1, 2, 12, 4)
+    region.attention_inputs(0, captured, captured, captured)     # the full step keeps the other 9 tokens' rows
+    region.begin_step(1)
+    assert region.active and region.video_tokens() == 3
+    region.forward()
+    hidden = torch.arange(12.0).reshape(1, 12, 1).repeat(1, 1, 2)
+    cut = region.gather(hidden, text_tokens=4)
+    assert cut[0, :, 0].tolist() == [1, 5, 7]
+    rope = torch.arange(12.0).reshape(1, 12, 1, 1)                 # token axis 1 (Wan's freqs)
+    joint_mask = torch.arange(16.0).reshape(1, 1, 16)              # video then text on axis 2 (HunyuanVideo)
+    per_batch = torch.ones(1, 1, 6, 8)                             # no token axis: unchanged
+    assert region.gather_like(rope).flatten().tolist() == [1, 5, 7]
+    assert region.gather_like(joint_mask).flatten().tolist() == [1, 5, 7, 12, 13, 14, 15]
+    assert region.gather_like(per_batch) is per_batch
+    joint = torch.cat([cut, torch.full((1, 4, 2), -1.0)], dim=1)
+    back = region.scatter(joint)
+    assert back.shape == (1, 16, 2) and back[0, [1, 5, 7], 0].tolist() == [1, 5, 7]
+    assert back[0, 0].abs().sum() == 0 and back[0, 12:, 0].tolist() == [-1.0] * 4
+    for step in (1, 2):                                            # the buffer is rewritten in front each step
+        q = torch.full((1, 2, 3, 4), -float(step))
+        k, v = region.attention_inputs(0, q, q, q)
+        assert k.shape[2] == 12 and k[0, 0, :, 0].tolist() == [-step] * 3 + [0, 2, 3, 4, 6, 8, 9, 10, 11]
+    k, _ = region.attention_inputs(1, q, q, q)                     # a block nothing was captured for
+    assert k.shape[2] == 3 and "no keys and values" in region.missing
+
+
+def test_the_low_noise_experts_first_step_is_a_full_step():
+    class TwoExperts:
+        switch_step = 9
+    decision = type("D", (), {"resume_step": 6, "steps": 12})()
+    config = CarnatorConfig(region_full_steps=1)
+    assert resume_stage._full_steps(TwoExperts(), decision, config) == {6, 9}
+    assert resume_stage._full_steps(object(), decision, config) == {6}
+
+
+def test_token_masks_map_back_to_the_latent_cells_they_carry(tiny_model):
+    layout = tiny_model.layout
+    mask = torch.zeros(8, 32, 32, dtype=torch.bool)
+    mask[3, 9, 9] = True
+    tokens = target_tokens(layout, mask, (0, 0, 0))
+    assert tokens.sum() == 1
+    back = latent_mask_of_tokens(layout, tokens, (8, 32, 32))
+    assert back.sum() == 16 and back[3, 8:12, 8:12].all()
+    assert target_tokens(layout, mask, (1, 1, 1)).sum() == 27
+
+
+def test_the_region_setting_is_part_of_a_hits_replay_key():
+    from carnator_engine.pipeline import hit_replay_key
+    assert hit_replay_key("k", CarnatorConfig()) != hit_replay_key("k", CarnatorConfig(region_only=True))
+
+
+def test_a_hit_with_no_target_tokens_resumes_whole_clip(tiny_model, store):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    decision = dataclasses.replace(decision, target_cells=torch.zeros_like(decision.target_cells), refine_step=None)
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    assert result.decision.reuse and result.decision.numbers["region_only"] is False
+    assert any("no target tokens" in r and "whole-clip resume" in r for r in result.decision.reasons)
+
+
+def test_a_step_cache_starts_afresh_after_the_region_steps(tiny_model, store, monkeypatch):
+    """EasyCache's state after region steps holds changes of the target tokens alone: the full steps after them must
+    not skip with it (ComfyRunner.fresh_step_cache drops the state carried from run to run)."""
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    events = []
+    original = TinyDiTRunner.run
+    monkeypatch.setattr(TinyDiTRunner, "run", lambda self, x, sigmas, start, end, observer: (
+        events.append(("run", start, observer.region is not None)), original(self, x, sigmas, start, end, observer))[1])
+    runner.fresh_step_cache = lambda: events.append(("fresh",))
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    assert result.decision.numbers["region_only"]
+    k, end = result.decision.resume_step, STEPS - config.region_full_steps
+    assert events[-3:] == [("run", k, True), ("fresh",), ("run", end, False)]
