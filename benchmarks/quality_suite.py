@@ -81,6 +81,8 @@ PER_REQUEST_ON_TOP = [*STEP_CACHE, "--methods", "no_reuse,carnator_refine+easyca
 POOLED_RUNS = {"default": ["--methods", "no_reuse,carnator_refine"],
                # the default with the gate's subject rule on (off by default until this check has run with it)
                "subject_rule": ["--gate", "refuse_subject_change=true", "--methods", "no_reuse,carnator_refine"],
+               # region-only resume (off by default until this check has run with it), beside the default's hits
+               "region": ["--region-max-share", "0.8", "--methods", "no_reuse,carnator_refine,carnator_region"],
                "balanced": ["--methods", "no_reuse,text_similarity,carnator"],
                "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
                "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
