@@ -67,7 +67,7 @@ def finish(runner, probed, decision: gate_module.Decision, payload, config, chec
         latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, probed.steps, observer)
         return Finished(decision, latent, observer, observer.connectivity.tensors(), warnings)
     region = None
-    if getattr(config, "region_only", False):
+    if config.region_only:
         decision, region, problem = plan_region(runner, probed, decision, payload, config)
         warnings += [problem] if problem else []
     latent = follow_entry(runner, probed, decision, payload, config, observer, region)
