@@ -324,8 +324,8 @@ def region_only_verdict(share: float, max_share: float, decision: Decision, full
     text = (f"target tokens with their halo: {share:.1%} of the clip; region-only resume costs about {region:.1f} "
             f"full model calls against {whole} for whole-clip resume")
     if share == 0:
-        return False, (f"no target tokens: the cached request covers the whole clip, and whole-clip resume "
-                       f"recomputes it under this request's conditioning")
+        return False, ("no target tokens: the cached request covers the whole clip, and whole-clip resume "
+                       "recomputes it under this request's conditioning")
     if not share <= max_share:
         return False, f"{text}, but the target is over the region-only limit of {max_share:.0%}: whole-clip resume"
     if region_steps < 1 or region > 0.9 * whole:
