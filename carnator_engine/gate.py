@@ -63,9 +63,11 @@ class GatePolicy:
     # furthest step. In the evaluation world no gate input ranked the resumes that went wrong consistently
     # (benchmarks/gate_ceiling.py), so the shrinking is caution, not a prediction; this switch measures it.
     shrink_with_risk: bool = True
-    # Look-alike edits ("circle" for "square", "left" for "right") change the subject itself; on the creator trace
-    # (benchmarks/trace.py) they were accepted and made wrong. On: such a candidate is refused (subject_change).
-    # Off by default until the pooled evaluation-world check has run with it (benchmarks/RESULTS.md).
+    # Look-alike edits ("circle" for "triangle", "up" for "down") change the subject itself, yet with the same seed
+    # they can pass every limit above (tests/test_gate_look_alike.py: the default reuses both). On: such a
+    # candidate is refused (subject_change). It costs hits (on 24 same-seed direction/colour pairs it refused all 7
+    # the default took, none of them wrong), so it stays off by default until the pooled evaluation-world check has
+    # run with it (quality_suite.py's subject_rule).
     refuse_subject_change: bool = False
     # ... the pooled block states this far apart with no target cell at all: the change is not decided yet
     undecided_hidden: float = 0.001

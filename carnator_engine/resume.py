@@ -72,7 +72,7 @@ def finish(runner, probed, decision: gate_module.Decision, payload, config, chec
         recorded = observer.connectivity.tensors() if observer.connectivity is not None else {}
         return Finished(decision, latent, observer, recorded, warnings)
     region = None
-    if getattr(config, "region_only", False):
+    if config.region_only:
         decision, region, problem = plan_region(runner, probed, decision, payload, config)
         warnings += [problem] if problem else []
     latent = follow_entry(runner, probed, decision, payload, config, observer, region)

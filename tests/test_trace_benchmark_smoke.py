@@ -43,8 +43,8 @@ def test_trace_refuses_bad_options_naming_them(capsys):
 def test_jobs_in_processes_give_the_figures_of_one_process(tmp_path):
     # The GPU run splits no_reuse's requests over processes and runs each method in its own: the same figures.
     trace, reports = _script("trace"), _script("reports")
-    common = ["--requests", "3", "--pairs", "1", "--steps", "6", "--probe-steps", "2", "--fewer-steps", "4",
-              "--text-resume-step", "3", "--habits", "randomize", "--methods", "carnator_balanced"]
+    common = ["--requests", "3", "--pairs", "0", "--steps", "4", "--probe-steps", "1", "--fewer-steps", "2",
+              "--text-resume-step", "2", "--habits", "randomize", "--methods", "carnator_balanced"]
     for jobs in ("1", "2"):
         assert trace.main(common + ["--jobs", jobs, "--out", str(tmp_path / f"jobs{jobs}.json")]) == 0
     one, two = (reports.read(str(tmp_path / f"jobs{jobs}.json")) for jobs in ("1", "2"))

@@ -217,3 +217,17 @@ def test_trace_benchmark_runs_on_world2(tmp_path):
     report = _benchmark("reports").read(str(out))
     assert report["results"]["fixed"]["no_reuse"]["model_calls_saved"] == 0
     assert set(report["results"]["fixed"]["no_reuse"]["per_attribute"]) == set(world2.SCORES)
+
+
+def test_world_locality_benchmark_finds_world2_edits_more_local(tmp_path):
+    locality = _benchmark("world_locality")
+    out = tmp_path / "locality.json"
+    assert locality.main(["--requests", "60", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["v2"]["all edits"]["edits"] == 59
+    assert results["v2"]["color"]["tokens_changed"] <= 0.25            # one quadrant at most
+    assert results["v2"]["all edits"]["tokens_changed"] < results["v1"]["all edits"]["tokens_changed"]
+    same = torch.zeros(2, 3, 8, 32, 32)
+    moved = same.clone()
+    moved[1, 0, 0, 0, 0] = 1.0                                         # one pixel: one token of 512
+    assert locality.changed_tokens(same, moved).tolist() == [0.0, 1 / 512]

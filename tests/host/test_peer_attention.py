@@ -154,3 +154,21 @@ def test_kjnodes_global_sage_patch_is_generated_plainly(comfy, plugin, kjnodes, 
         assert close(out["samples"], reference) and log.take() == (2 * STEPS, 2 * STEPS)
         assert not summary["reuse"] and not summary["exact_repeat"] and summary["stored_as"] is None
         assert "PathchSageAttentionKJ" in summary["reasons"][0], summary["reasons"]
+
+
+@pytest.mark.parametrize("patch", ["WanVideoEnhanceAVideoKJ", "WanVideoNAG"])
+def test_kjnodes_attention_object_patches_are_generated_plainly(comfy, plugin, kjnodes, tiny_model, conds, latent,
+                                                                tmp_path, patch):
+    """KJNodes' Enhance-A-Video and NAG replace each block's attention forward with an object (an object patch) whose
+    settings Carnator cannot read: each request is generated in full, equal to KSampler with the patch, nothing
+    stored or reused."""
+    positive, negative = conds
+    model = (kjnodes.WanVideoEnhanceAVideoKJ().enhance(tiny_model, 2.0, latent)[0] if patch == "WanVideoEnhanceAVideoKJ"
+             else kjnodes.WanVideoNAG().patch(tiny_model, negative, 11.0, 0.25, 2.5)[0])
+    reference = ksampler(comfy, model, positive, negative, latent)
+    cache = open_cache(comfy, tmp_path / "cache")
+    for request in (positive, positive, nudged(positive)):
+        out, summary = sample(comfy, model, cache, request, negative, latent)
+        assert not summary["reuse"] and not summary["exact_repeat"] and summary["stored_as"] is None
+        assert "cannot fingerprint" in summary["reasons"][0], summary["reasons"]
+    assert close(sample(comfy, model, cache, positive, negative, latent)[0]["samples"], reference)
