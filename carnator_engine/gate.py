@@ -63,9 +63,11 @@ class GatePolicy:
     # furthest step. In the evaluation world no gate input ranked the resumes that went wrong consistently
     # (benchmarks/gate_ceiling.py), so the shrinking is caution, not a prediction; this switch measures it.
     shrink_with_risk: bool = True
-    # Look-alike edits ("circle" for "square", "left" for "right") change the subject itself; on the creator trace
-    # (benchmarks/trace.py) they were accepted and made wrong. On: such a candidate is refused (subject_change).
-    # Off by default until the pooled evaluation-world check has run with it (benchmarks/RESULTS.md).
+    # Look-alike edits ("circle" for "triangle", "up" for "down") change the subject itself, yet with the same seed
+    # they can pass every limit above (tests/test_gate_look_alike.py: the default reuses both). On: such a
+    # candidate is refused (subject_change). It costs hits (on 24 same-seed direction/colour pairs it refused all 7
+    # the default took, none of them wrong), so it stays off by default until the pooled evaluation-world check has
+    # run with it (quality_suite.py's subject_rule).
     refuse_subject_change: bool = False
     # ... the pooled block states this far apart with no target cell at all: the change is not decided yet
     undecided_hidden: float = 0.001
@@ -126,6 +128,11 @@ def default_probe_steps(steps: int) -> int:
     """One probe step at few-step schedules (the distilled first step shows the layout; a second would cost a
     quarter of a 4-step request), three otherwise."""
     return 1 if few_step(steps) else 3
+
+
+def refuses_few_step(policy: GatePolicy, steps: int, probe_steps: int) -> bool:
+    """Whether this policy never reuses a request of this schedule and probe length (few_step_gate.py says why)."""
+    return few_step(steps) and probe_steps == 1 and not policy.few_step_reuse
 
 
 def furthest_resume(policy: GatePolicy, steps: int) -> int:
@@ -286,7 +293,7 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
         options = f" (this model: {model_text})" if model_text else ""
         return Decision(False, risk, steps, probe_steps, probe_steps,
                         reasons=[f"no earlier generation of this model, shape and schedule is in the cache{options}"])
-    if few_step(steps) and probe_steps == 1 and not policy.few_step_reuse:
+    if refuses_few_step(policy, steps, probe_steps):
         return Decision(False, risk, steps, probe_steps, probe_steps, reasons=[few_step_gate.refusal(steps)])
     best, rejected = None, []
     for candidate in candidates:
@@ -322,8 +329,8 @@ def region_only_verdict(share: float, max_share: float, decision: Decision, full
     text = (f"target tokens with their halo: {share:.1%} of the clip; region-only resume costs about {region:.1f} "
             f"full model calls against {whole} for whole-clip resume")
     if share == 0:
-        return False, (f"no target tokens: the cached request covers the whole clip, and whole-clip resume "
-                       f"recomputes it under this request's conditioning")
+        return False, ("no target tokens: the cached request covers the whole clip, and whole-clip resume "
+                       "recomputes it under this request's conditioning")
     if not share <= max_share:
         return False, f"{text}, but the target is over the region-only limit of {max_share:.0%}: whole-clip resume"
     if region_steps < 1 or region > 0.9 * whole:
