@@ -5,7 +5,7 @@ the same seed, before and after, and a token (the demo model's patch: 1 frame x 
 as changed when any of its pixels moves by more than one 8-bit level. No model is involved: this is what the worlds
 ask of a generator, the upper bound of what a perfect model's edits would change.
 
-    python benchmarks/world_locality.py --out benchmarks/results/world/world_locality.json
+    python benchmarks/world_locality.py --out benchmarks/results/demo_model/world_locality.json
 """
 from __future__ import annotations
 

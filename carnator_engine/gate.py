@@ -130,6 +130,11 @@ def default_probe_steps(steps: int) -> int:
     return 1 if few_step(steps) else 3
 
 
+def refuses_few_step(policy: GatePolicy, steps: int, probe_steps: int) -> bool:
+    """Whether this policy never reuses a request of this schedule and probe length (few_step_gate.py says why)."""
+    return few_step(steps) and probe_steps == 1 and not policy.few_step_reuse
+
+
 def furthest_resume(policy: GatePolicy, steps: int) -> int:
     """The latest step a hit may resume at under this policy: never the last, so the request's own steps finish it."""
     fraction = policy.few_step_resume_fraction if few_step(steps) else policy.max_resume_fraction
@@ -288,7 +293,7 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
         options = f" (this model: {model_text})" if model_text else ""
         return Decision(False, risk, steps, probe_steps, probe_steps,
                         reasons=[f"no earlier generation of this model, shape and schedule is in the cache{options}"])
-    if few_step(steps) and probe_steps == 1 and not policy.few_step_reuse:
+    if refuses_few_step(policy, steps, probe_steps):
         return Decision(False, risk, steps, probe_steps, probe_steps, reasons=[few_step_gate.refusal(steps)])
     best, rejected = None, []
     for candidate in candidates:
@@ -324,8 +329,8 @@ def region_only_verdict(share: float, max_share: float, decision: Decision, full
     text = (f"target tokens with their halo: {share:.1%} of the clip; region-only resume costs about {region:.1f} "
             f"full model calls against {whole} for whole-clip resume")
     if share == 0:
-        return False, (f"no target tokens: the cached request covers the whole clip, and whole-clip resume "
-                       f"recomputes it under this request's conditioning")
+        return False, ("no target tokens: the cached request covers the whole clip, and whole-clip resume "
+                       "recomputes it under this request's conditioning")
     if not share <= max_share:
         return False, f"{text}, but the target is over the region-only limit of {max_share:.0%}: whole-clip resume"
     if region_steps < 1 or region > 0.9 * whole:

@@ -61,13 +61,18 @@ def finish(runner, probed, decision: gate_module.Decision, payload, config, chec
     observer = GenerationObserver(checkpoints=CheckpointRecorder(
         frozenset(s for s in checkpoint_steps if s > decision.resume_step)))
     if not decision.reuse:
-        record_step = max(probed.probe_steps, int(0.3 * probed.steps))
-        observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass,
-                                                     config.max_density)
+        # The connectivity serves later hits' sparse attention. Where this policy never reuses (few-step schedules
+        # at safe and balanced) it is not recorded: a miss there costs what plain sampling does, and a hit another
+        # level takes from this entry attends densely.
+        if not gate_module.refuses_few_step(config.policy(), probed.steps, probed.probe_steps):
+            record_step = max(probed.probe_steps, int(0.3 * probed.steps))
+            observer.connectivity = ConnectivityRecorder(record_step, config.block_size, config.attention_mass,
+                                                         config.max_density)
         latent = runner.run(probed.latent, probed.sigmas, probed.probe_steps, probed.steps, observer)
-        return Finished(decision, latent, observer, observer.connectivity.tensors(), warnings)
+        recorded = observer.connectivity.tensors() if observer.connectivity is not None else {}
+        return Finished(decision, latent, observer, recorded, warnings)
     region = None
-    if getattr(config, "region_only", False):
+    if config.region_only:
         decision, region, problem = plan_region(runner, probed, decision, payload, config)
         warnings += [problem] if problem else []
     latent = follow_entry(runner, probed, decision, payload, config, observer, region)

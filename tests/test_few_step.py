@@ -61,6 +61,15 @@ def test_safe_and_balanced_do_not_reuse_at_few_steps_and_say_why(tiny_model, sto
     torch.testing.assert_close(repeat.latent, first.latent)
 
 
+@pytest.mark.parametrize("risk, records", [("balanced", False), ("aggressive", True)])
+def test_a_few_step_miss_records_attention_connectivity_only_where_its_level_reuses(tiny_model, store, risk, records):
+    miss = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(4), store, _config(4, risk=risk),
+                    PROMPT, 1)
+    payload = store.trajectory(store.record(miss.entry_id))
+    assert bool(payload.connectivity) == records and sorted(payload.checkpoints) == [2, 3]
+    assert payload.final is not None                                     # an exact repeat is answered either way
+
+
 def test_the_few_step_refusal_is_for_few_steps_only(tiny_model, store):
     generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(20), store, _config(20), PROMPT, 1)
     near = _near_repeat(tiny_model, store, 20)
