@@ -154,7 +154,7 @@ def child_command(args, job: str, reference: str, rows_out: str) -> list:
             "--rows-out", rows_out]
     for option in ("world", "requests", "seed", "pairs", "steps", "probe_steps", "guidance", "fewer_steps",
                    "step_cache_threshold", "step_cache_start", "text_threshold", "text_resume_step", "device",
-                   "weights", "max_density"):
+                   "weights", "max_density", "region_max_share"):
         argv += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     if args.text_embedding_cache:
         argv += ["--text-embedding-cache", args.text_embedding_cache]
