@@ -122,18 +122,21 @@ def test_progress_line_is_rewritten_on_a_terminal_and_absent_elsewhere():
 
 def test_each_miss_is_explained_in_plain_words():
     from types import SimpleNamespace
+    from carnator_engine import few_step_gate
     from carnator_engine.demo.session import miss_in_plain_words
     from carnator_engine.gate import policy_for
     policy = policy_for("balanced")
     within = {"hidden": 0.001, "attention": 0.01, "context": 0.01, "context_share": 0.1, "target_fraction": 0.2}
-    assert miss_in_plain_words(SimpleNamespace(numbers={}), policy).startswith("nothing comparable in the cache")
+
+    def miss(numbers, reasons=("nearest entry e rejected",)):
+        return SimpleNamespace(reuse=False, numbers=numbers, reasons=list(reasons))
+    assert miss_in_plain_words(miss({}), policy).startswith("nothing comparable in the cache")
     assert "covers 66% of the clip, more than the 50%" in miss_in_plain_words(
-        SimpleNamespace(numbers={**within, "target_fraction": 0.66}), policy)
-    assert "reads this prompt differently" in miss_in_plain_words(
-        SimpleNamespace(numbers={**within, "hidden": 0.5}), policy)
-    assert "early picture differs" in miss_in_plain_words(
-        SimpleNamespace(numbers={**within, "context_share": 0.9}), policy)
-    assert "would save too little" in miss_in_plain_words(SimpleNamespace(numbers=within), policy)
+        miss({**within, "target_fraction": 0.66}), policy)
+    assert "reads this prompt differently" in miss_in_plain_words(miss({**within, "hidden": 0.5}), policy)
+    assert "early picture differs" in miss_in_plain_words(miss({**within, "context_share": 0.9}), policy)
+    assert "would save too little" in miss_in_plain_words(miss(within), policy)
+    assert miss_in_plain_words(miss({}, [few_step_gate.refusal(4)]), policy) == few_step_gate.PLAIN_WORDS
 
 
 def test_frames_are_valid_pngs_of_the_clip():
