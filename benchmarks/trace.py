@@ -328,7 +328,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="methods run side by side (processes)")
     parser.add_argument("--out", default="benchmarks/out/trace.json")
     parser.add_argument("--png", help="accuracy-vs-calls plot (default: beside --out, .png)")
-    parser.add_argument("--from-json", help="print the tables and write the plot of an earlier run's JSON, run nothing")
+    parser.add_argument("--from-json", help="print the tables and write the plot of an earlier run's JSON, run nothing; "
+                        "several runs' JSON, comma-separated (one seed habit each), make one table and plot")
     parser.add_argument("--md", help="also write the table as markdown (benchmarks/RESULTS.md's form) to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--reference", help=argparse.SUPPRESS)
@@ -356,8 +357,12 @@ def main(argv=None) -> int:
         return worker(args)
 
     if args.from_json:
-        report = reports.read(args.from_json, rows=False)
-        return show(report, args.png or os.path.splitext(args.from_json)[0] + ".png", args.md)
+        paths = args.from_json.split(",")
+        try:
+            report = joined([reports.read(path, rows=False) for path in paths])
+        except ValueError as error:
+            parser.error(f"--from-json {args.from_json}: {error}")
+        return show(report, args.png or os.path.splitext(paths[0])[0] + ".png", args.md)
 
     torch.manual_seed(args.seed)
     started = time.perf_counter()
@@ -376,6 +381,20 @@ def main(argv=None) -> int:
     reports.write(args.out, report)
     print(f"wrote {args.out}")
     return show(report, args.png or os.path.splitext(args.out)[0] + ".png", args.md)
+
+
+def joined(runs: list) -> dict:
+    """One report of runs that each measured other seed habits of the same trace (a long CPU run goes one habit at a
+    time): their tables side by side, the first run's arguments and machine."""
+    report = copy.deepcopy(runs[0])
+    for run in runs[1:]:
+        if twice := set(report["results"]) & set(run["results"]):
+            raise ValueError(f"seed habit {', '.join(sorted(twice))} is in more than one run: give each habit once")
+        if run["args"]["requests"] != report["args"]["requests"] or run["args"]["world"] != report["args"]["world"]:
+            raise ValueError("the runs replay different traces (--requests or --world differ): join runs of one trace")
+        report["results"].update(run["results"])
+        report["trace"].update(run["trace"])
+    return report
 
 
 def show(report: dict, png: str, md=None) -> int:

@@ -29,6 +29,15 @@ def test_trace_runs_its_methods_against_no_reuse_and_writes_json_and_plot(tmp_pa
     assert trace.main(["--from-json", str(out), "--png", str(tmp_path / "again.png"), "--md", str(tmp_path / "t.md")]) == 0
     assert (tmp_path / "again.png").stat().st_size > 0          # tables and plot again, from the JSON alone
     assert "| fixed | steps_4 | 0% (0) | 33.3% | 1.50x / " in (tmp_path / "t.md").read_text()
+    # a long run goes one seed habit at a time: their JSON join into one table and plot
+    other = dict(report, results={"randomize": table}, trace={"randomize": report["trace"]["fixed"]})
+    _script("reports").write(str(tmp_path / "other.json"), other)
+    both = f"{out},{tmp_path / 'other.json'}"
+    assert trace.main(["--from-json", both, "--png", str(tmp_path / "both.png"), "--md", str(tmp_path / "b.md")]) == 0
+    assert [line.split(" | ")[0] for line in (tmp_path / "b.md").read_text().splitlines()[2:]] == \
+        ["| fixed"] * 3 + ["| randomize"] * 3
+    with pytest.raises(SystemExit):
+        trace.main(["--from-json", f"{out},{out}", "--png", str(tmp_path / "twice.png")])
 
 
 def test_trace_refuses_bad_options_naming_them(capsys):
