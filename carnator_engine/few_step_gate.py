@@ -7,7 +7,10 @@ stream and made 9 of its 80 requests wrong (and 4 of 40 pairs), all but one by l
 at 8 steps the one-stage reflow student lost as much. After one distilled step the probe's estimate shows where the
 object is, not yet its exact shape, and a hit resumes so late that the region it regenerates jumps most of the
 way from that estimate. None of the gate's inputs told those hits from the good ones; the look-alike rule
-(refuse_subject_change) left 1 of 80 wrong while saving 6 % of the calls. So the safe and balanced risk levels do not
+(refuse_subject_change) left 1 of 80 wrong while saving 6 % of the calls. Resuming at half the schedule instead
+still made 4-7 of 80 wrong (the blur of the subject is in the probe's estimate, whatever the resume step), and the
+look-alike rule with the same seed kept 2 hits beyond exact repeats in 80, one of them wrong at 4 steps
+(docs/few-step.md, "What else was tried"). So the safe and balanced risk levels do not
 reuse at these schedules after a one-step probe: every request runs in full and is stored, and an exact repeat
 still returns its stored result with no model call. The aggressive level reuses (GatePolicy.few_step_reuse) and can
 make requests wrong; a longer probe (probe_steps 2 and more) is judged by the limits alone and is not measured here.
