@@ -124,7 +124,14 @@ def summary(rows: dict, reference_rows: dict, steps: int, world) -> dict:
 
 
 def save_reference(path: str, rows: dict, clips: dict) -> None:
-    torch.save({"rows": rows, "clips": dict(clips)}, path)
+    torch.save({"rows": rows, "clips": dict(clips)}, path + ".partial")
+    os.replace(path + ".partial", path)     # whole or absent: a kept --work-dir never reads half a file
+
+
+def save_rows(path: str, rows: dict) -> None:
+    with open(path + ".partial", "w") as handle:
+        json.dump(rows, handle, default=str)
+    os.replace(path + ".partial", path)
 
 
 def load_reference(path: str) -> tuple:
@@ -143,9 +150,7 @@ def worker(args) -> int:
         save_reference(args.rows_out, rows, clips)
         return 0
     _, clips = load_reference(args.reference)
-    rows = run_one(args, habit, name, clips)
-    with open(args.rows_out, "w") as handle:
-        json.dump(rows, handle, default=str)
+    save_rows(args.rows_out, run_one(args, habit, name, clips))
     return 0
 
 
@@ -174,18 +179,51 @@ def run_child(args, job: str, reference: str, out: str) -> None:
             raise RuntimeError(f"{job} failed (exit {code}):\n{handle.read()[-3000:]}")
 
 
+# the settings a work folder's rows depend on: a folder kept with --work-dir serves only runs with the same ones
+RUN_SETTINGS = ("world", "requests", "seed", "pairs", "steps", "probe_steps", "guidance", "fewer_steps",
+                "step_cache_threshold", "step_cache_start", "text_threshold", "text_resume_step", "max_density",
+                "region_max_share", "gate_overrides", "weights", "device")
+
+
+def work_folder(args) -> str:
+    """The folder of a run's reference clips and rows: --work-dir (kept, so that a later run with the same settings
+    reads what this one finished) or a temporary one."""
+    if not args.work_dir:
+        return tempfile.mkdtemp(prefix="carnator-trace-")
+    os.makedirs(args.work_dir, exist_ok=True)
+    settings = json.loads(json.dumps({k: getattr(args, k) for k in RUN_SETTINGS}, default=str))
+    stamp = os.path.join(args.work_dir, "settings.json")
+    if os.path.exists(stamp):
+        with open(stamp) as handle:
+            kept = json.load(handle)
+        if kept != settings:
+            differ = ", ".join(sorted(k for k in settings if kept.get(k) != settings[k]))
+            raise ValueError(f"--work-dir {args.work_dir} holds a run with other settings ({differ}): give another "
+                             "folder, or the same settings")
+    else:
+        with open(stamp, "w") as handle:
+            json.dump(settings, handle)
+    return args.work_dir
+
+
 def references_of(args, work: str, pool) -> dict:
-    """habit -> (no_reuse rows, reference file). With --jobs > 1, no_reuse's requests are split over the jobs."""
+    """habit -> (no_reuse rows, reference file), read from the work folder where an earlier run left it. With
+    --jobs > 1, no_reuse's requests are split over the jobs."""
+    found = {}
+    for habit in args.habits:
+        path = os.path.join(work, f"reference_{habit}.pt")
+        if os.path.exists(path):
+            found[habit] = (load_reference(path)[0], path)
+    missing = [habit for habit in args.habits if habit not in found]
     if args.jobs == 1:
-        found = {}
-        for habit in args.habits:
+        for habit in missing:
             clips = {}
             rows = run_one(args, habit, "no_reuse", clips)
             found[habit] = (rows, os.path.join(work, f"reference_{habit}.pt"))
             save_reference(found[habit][1], rows, clips)
         return found
-    n = max(1, args.jobs // len(args.habits))
-    chunks = [(habit, i) for habit in args.habits for i in range(n)]
+    n = max(1, args.jobs // max(1, len(missing)))
+    chunks = [(habit, i) for habit in missing for i in range(n)]
 
     def run(chunk):
         habit, i = chunk
@@ -194,8 +232,7 @@ def references_of(args, work: str, pool) -> dict:
         return chunk, load_reference(out)
 
     parts = dict(pool.map(run, chunks))
-    found = {}
-    for habit in args.habits:
+    for habit in missing:
         rows, clips = {}, {}
         for kind in ("trace", "pairs"):
             size = sum(len(parts[(habit, i)][0][kind]) for i in range(n))
@@ -210,9 +247,9 @@ def references_of(args, work: str, pool) -> dict:
     return found
 
 
-def run_all(args, names: list) -> dict:
-    """habit -> method -> rows: no_reuse first (the reference), then the other methods, --jobs processes at a time."""
-    work = tempfile.mkdtemp(prefix="carnator-trace-")
+def run_all(args, names: list, work: str) -> dict:
+    """habit -> method -> rows: no_reuse first (the reference), then the other methods, --jobs processes at a time;
+    what the work folder already holds is read instead."""
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         started = time.perf_counter()
         references = references_of(args, work, pool)
@@ -222,20 +259,23 @@ def run_all(args, names: list) -> dict:
         def run(job):
             habit, name = job
             started = time.perf_counter()
-            if args.jobs == 1:
-                result = run_one(args, habit, name, load_reference(references[habit][1])[1])
+            out = os.path.join(work, f"rows_{habit}_{name}.json")
+            if os.path.exists(out):
+                print(f"{habit} {name}: read from {out}", file=sys.stderr, flush=True)
+            elif args.jobs == 1:
+                save_rows(out, run_one(args, habit, name, load_reference(references[habit][1])[1]))
             else:
-                out = os.path.join(work, f"rows_{habit}_{name}.json")
                 run_child(args, f"{habit}:{name}", references[habit][1], out)
-                with open(out) as handle:
-                    result = json.load(handle)
+            with open(out) as handle:
+                result = json.load(handle)
             print(f"{habit} {name}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
             return job, result
 
         jobs = [(habit, name) for habit in args.habits for name in names if name != "no_reuse"]
         for (habit, name), result in pool.map(run, jobs):
             rows[habit][name] = result
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
@@ -326,6 +366,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="where the demo model runs (cpu, cuda)")
     parser.add_argument("--weights", default=None, help="demo model weights (default: the shipped ones)")
     parser.add_argument("--jobs", type=int, default=1, help="methods run side by side (processes)")
+    parser.add_argument("--work-dir", help="keep the reference clips and each method's rows here: a later run with "
+                        "the same settings reads them instead of running them again (a long run in parts)")
     parser.add_argument("--out", default="benchmarks/out/trace.json")
     parser.add_argument("--png", help="accuracy-vs-calls plot (default: beside --out, .png)")
     parser.add_argument("--from-json", help="print the tables and write the plot of an earlier run's JSON, run nothing; "
@@ -366,7 +408,11 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     started = time.perf_counter()
-    rows = run_all(args, names)
+    try:
+        work = work_folder(args)
+    except ValueError as error:     # a --work-dir of another run's settings
+        parser.error(str(error))
+    rows = run_all(args, names, work)
     results = {habit: {name: summary(rows[habit][name], rows[habit]["no_reuse"], args.steps, WORLDS[args.world])
                        for name in names}
                for habit in args.habits}
@@ -375,7 +421,8 @@ def main(argv=None) -> int:
         machine = f"{torch.cuda.get_device_name(0)}, {machine}"
     traces = {habit: creator_trace.trace_stats(requests_of(args, habit)[0]) for habit in args.habits}
     report = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k not in ("worker", "reference",
-                                                                                           "rows_out", "from_json")},
+                                                                                           "rows_out", "from_json",
+                                                                                           "work_dir")},
               "seconds": round(time.perf_counter() - started, 1), "trace": traces,
               "mix": creator_trace.TraceMix().probabilities(), "results": results, "rows": rows}
     reports.write(args.out, report)

@@ -62,3 +62,22 @@ def test_jobs_in_processes_give_the_figures_of_one_process(tmp_path):
     assert timeless(one) == timeless(two)
     assert [r["prompt"] for r in one["rows"]["randomize"]["no_reuse"]["trace"]] == \
         [r["prompt"] for r in two["rows"]["randomize"]["no_reuse"]["trace"]]
+
+
+def test_a_kept_work_dir_runs_only_what_it_lacks_and_refuses_other_settings(tmp_path, capsys):
+    # a long CPU run goes in parts: what an earlier part finished is read, not run again
+    trace, reports = _script("trace"), _script("reports")
+    common = ["--requests", "3", "--pairs", "0", "--steps", "4", "--probe-steps", "1", "--fewer-steps", "2",
+              "--text-resume-step", "2", "--habits", "randomize", "--work-dir", str(tmp_path / "work")]
+    assert trace.main(common + ["--methods", "steps_2", "--out", str(tmp_path / "a.json")]) == 0
+    capsys.readouterr()
+    assert trace.main(common + ["--methods", "steps_2,carnator_balanced", "--out", str(tmp_path / "b.json")]) == 0
+    said = capsys.readouterr().err
+    assert "randomize steps_2: read from" in said and "carnator_balanced: read" not in said
+    first, both = (reports.read(str(tmp_path / name))["results"]["randomize"] for name in ("a.json", "b.json"))
+    assert list(both) == ["no_reuse", "steps_2", "carnator_balanced"] and both["steps_2"] == first["steps_2"]
+    with pytest.raises(SystemExit):
+        trace.main(common[:-4] + ["--work-dir", str(tmp_path / "work"), "--requests", "4", "--out",
+                                  str(tmp_path / "c.json")])
+    error = capsys.readouterr().err
+    assert "holds a run with other settings (requests)" in error
