@@ -51,7 +51,8 @@ class CarnatorConfig:
     sparse_attention: bool = True   # ablation switch: resume with dense attention
     localize: bool = True           # ablation switch: copy the whole cached latent, no target region
     # Region-only resume (docs/region-resume.md): a hit's resumed steps run the target tokens and a halo only, the
-    # rest of the clip follows the cached request; off until the evaluation world's pooled check clears it.
+    # rest of the clip follows the cached request; off until its GPU speed and memory are measured (its pooled
+    # quality check passes).
     region_only: bool = False
     region_max_share: float = 0.5   # beyond this share of the clip's tokens (halo included): whole-clip resume
     region_full_steps: int = 1      # last steps that run every token again, blending the seam

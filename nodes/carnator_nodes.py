@@ -117,7 +117,7 @@ def _region_only_input() -> io.Input:
     return io.Boolean.Input("region_only", default=False, optional=True, tooltip=(
         "On a hit, the resumed steps run only the tokens that differ from the cached request (and a ring around "
         "them), taking the rest of the clip from it; a target over half the clip resumes the whole clip. Off by "
-        "default until its quality check passes (docs/region-resume.md)."))
+        "default until its GPU speed and memory are measured (docs/region-resume.md)."))
 
 
 def _latent_output() -> io.Output:
