@@ -206,12 +206,16 @@ def work_folder(args) -> str:
     return args.work_dir
 
 
+def reference_file(work: str, habit: str) -> str:
+    return os.path.join(work, f"reference_{habit}.pt")
+
+
 def references_of(args, work: str, pool) -> dict:
     """habit -> (no_reuse rows, reference file), read from the work folder where an earlier run left it. With
     --jobs > 1, no_reuse's requests are split over the jobs."""
     found = {}
     for habit in args.habits:
-        path = os.path.join(work, f"reference_{habit}.pt")
+        path = reference_file(work, habit)
         if os.path.exists(path):
             found[habit] = (load_reference(path)[0], path)
     missing = [habit for habit in args.habits if habit not in found]
@@ -219,7 +223,7 @@ def references_of(args, work: str, pool) -> dict:
         for habit in missing:
             clips = {}
             rows = run_one(args, habit, "no_reuse", clips)
-            found[habit] = (rows, os.path.join(work, f"reference_{habit}.pt"))
+            found[habit] = (rows, reference_file(work, habit))
             save_reference(found[habit][1], rows, clips)
         return found
     n = max(1, args.jobs // max(1, len(missing)))
@@ -242,7 +246,7 @@ def references_of(args, work: str, pool) -> dict:
             rows[kind] = joined
         for i in range(n):
             clips.update(parts[(habit, i)][1])
-        found[habit] = (rows, os.path.join(work, f"reference_{habit}.pt"))
+        found[habit] = (rows, reference_file(work, habit))
         save_reference(found[habit][1], rows, clips)
     return found
 
@@ -430,6 +434,9 @@ def main(argv=None) -> int:
     return show(report, args.png or os.path.splitext(args.out)[0] + ".png", args.md)
 
 
+TRACE_IDENTITY = ("world", "requests", "seed")    # what makes two runs replay the same sessions
+
+
 def joined(runs: list) -> dict:
     """One report of runs that each measured other seed habits of the same trace (a long CPU run goes one habit at a
     time): their tables side by side, the first run's arguments and machine."""
@@ -437,8 +444,9 @@ def joined(runs: list) -> dict:
     for run in runs[1:]:
         if twice := set(report["results"]) & set(run["results"]):
             raise ValueError(f"seed habit {', '.join(sorted(twice))} is in more than one run: give each habit once")
-        if run["args"]["requests"] != report["args"]["requests"] or run["args"]["world"] != report["args"]["world"]:
-            raise ValueError("the runs replay different traces (--requests or --world differ): join runs of one trace")
+        if any(run["args"][key] != report["args"][key] for key in TRACE_IDENTITY):
+            raise ValueError("the runs replay different traces (--world, --requests or --seed differ): join runs of "
+                             "one trace")
         report["results"].update(run["results"])
         report["trace"].update(run["trace"])
     return report

@@ -38,6 +38,9 @@ def test_trace_runs_its_methods_against_no_reuse_and_writes_json_and_plot(tmp_pa
         ["| fixed"] * 3 + ["| randomize"] * 3
     with pytest.raises(SystemExit):
         trace.main(["--from-json", f"{out},{out}", "--png", str(tmp_path / "twice.png")])
+    _script("reports").write(str(tmp_path / "seed1.json"), dict(other, args={**report["args"], "seed": 1}))
+    with pytest.raises(SystemExit):         # another seed: another trace
+        trace.main(["--from-json", f"{out},{tmp_path / 'seed1.json'}", "--png", str(tmp_path / "seed1.png")])
 
 
 def test_trace_refuses_bad_options_naming_them(capsys):
