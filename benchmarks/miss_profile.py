@@ -10,6 +10,7 @@ wrapping them. One more plain and one more miss run under torch.profiler: GPU ke
 of the CUDA runtime calls that stall the CPU or the GPU (synchronisations, copies, allocations), side by side.
 
   python3 benchmarks/miss_profile.py --out benchmarks/results/gpu/miss_profile_h200.json
+  python3 benchmarks/miss_profile.py --steps 4 --probe 1 --out $OUT/miss_profile_4step.json   # a few-step schedule
   python3 benchmarks/miss_profile.py --smoke --out /tmp/miss_profile.json      # tiny, CPU
 """
 from __future__ import annotations
@@ -42,7 +43,13 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler pair")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: the preset's, 50 real)")
+    parser.add_argument("--probe", type=int, default=None, help="probe steps (default: the preset's, 5 real)")
+    args = parser.parse_args(argv)
+    steps = args.steps or PRESETS["smoke" if args.smoke else "real"]["steps"]
+    if args.probe is not None and not 1 <= args.probe < steps:
+        parser.error(f"--probe {args.probe} must be between 1 and --steps - 1 ({steps - 1})")
+    return args
 
 
 class StepEvents:
@@ -128,6 +135,7 @@ def op_differences(plain: dict, miss: dict, key: str, top: int = 12) -> list:
 
 def run(args):
     preset = dict(PRESETS["smoke" if args.smoke else "real"])
+    preset.update({key: value for key, value in (("steps", args.steps), ("probe", args.probe)) if value})
     n, p = preset["steps"], preset["probe"]
     device_name = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cuda = torch.device(device_name).type == "cuda"
