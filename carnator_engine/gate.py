@@ -69,6 +69,12 @@ class GatePolicy:
     # the default took, none of them wrong), so it stays off by default until the pooled evaluation-world check has
     # run with it (quality_suite.py's subject_rule).
     refuse_subject_change: bool = False
+    # Whether an entry that is itself a reuse (a hit's result) may be resumed from. Off: only full generations are,
+    # so a hit's result is never the start of another (the lookup brings each hit's full generation along). A hit
+    # copies its source's early trajectory and whatever the model got wrong there; resumed from again, the copy is
+    # copied, and on the fixed-seed creator trace about half the requests the default made wrong were resumed from
+    # such entries (docs/creator-trace.md).
+    resume_from_hits: bool = True
     # ... the pooled block states this far apart with no target cell at all: the change is not decided yet
     undecided_hidden: float = 0.001
     # ... the least share of the cached subject (cells departing from their frame's background by more than
@@ -297,6 +303,12 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
         return Decision(False, risk, steps, probe_steps, probe_steps, reasons=[few_step_gate.refusal(steps)])
     best, rejected = None, []
     for candidate in candidates:
+        source = candidate.record.reused_from
+        if source is not None and not policy.resume_from_hits:
+            rejected.append((candidate.record.entry_id, {}, [
+                f"entry {candidate.record.entry_id} is itself a reuse of entry {source}: only full generations are "
+                "resumed from (resume_from_hits off)"]))
+            continue
         resume, refine, cells, numbers, reasons = _assess(candidate, policy, steps, probe_steps)
         if resume is None:
             rejected.append((candidate.record.entry_id, numbers, reasons))

@@ -176,3 +176,15 @@ def test_a_constant_estimate_has_no_chance_scale_and_is_never_a_hit():
     flat = torch.zeros(3, 8, 8, 8)
     decision = decide([_candidate(_sig(flat), _sig(flat.clone()))], 20, 3, policy_for("balanced"), "balanced")
     assert not decision.reuse and decision.numbers["context_share"] == float("inf")
+
+
+def test_resume_from_hits_off_resumes_only_from_full_generations():
+    new = _sig(BASE)
+    hit = _candidate(new, _sig(BASE.clone()), entry="hit")
+    hit.record.reused_from = "root"
+    root = _candidate(new, _sig(BASE + 0.01), entry="root", steps=(4, 6, 8))
+    assert decide([hit, root], 20, 3, policy_for("balanced"), "balanced").entry_id == "hit"   # the default: either
+    decision = decide([hit, root], 20, 3, policy_for("balanced", resume_from_hits=False), "balanced")
+    assert decision.reuse and decision.entry_id == "root"
+    alone = decide([hit], 20, 3, policy_for("balanced", resume_from_hits=False), "balanced")
+    assert not alone.reuse and "is itself a reuse of entry root" in " ".join(alone.reasons)
