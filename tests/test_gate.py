@@ -183,8 +183,9 @@ def test_resume_from_hits_off_resumes_only_from_full_generations():
     hit = _candidate(new, _sig(BASE.clone()), entry="hit")
     hit.record.reused_from = "root"
     root = _candidate(new, _sig(BASE + 0.01), entry="root", steps=(4, 6, 8))
-    assert decide([hit, root], 20, 3, policy_for("balanced"), "balanced").entry_id == "hit"   # the default: either
-    decision = decide([hit, root], 20, 3, policy_for("balanced", resume_from_hits=False), "balanced")
+    assert decide([hit, root], 20, 3, policy_for("aggressive"), "aggressive").entry_id == "hit"   # either source
+    decision = decide([hit, root], 20, 3, policy_for("balanced"), "balanced")       # the default: full generations
     assert decision.reuse and decision.entry_id == "root"
-    alone = decide([hit], 20, 3, policy_for("balanced", resume_from_hits=False), "balanced")
+    alone = decide([hit], 20, 3, policy_for("safe"), "safe")
     assert not alone.reuse and "is itself a reuse of entry root" in " ".join(alone.reasons)
+    assert decide([hit], 20, 3, policy_for("balanced", resume_from_hits=True), "balanced").entry_id == "hit"
