@@ -321,7 +321,8 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
             best = decision
     if best is not None:
         return best
-    entry_id, numbers, reasons = rejected[0]
+    # the nearest candidate the limits judged says why more than a hit's result skipped unjudged (resume_from_hits)
+    entry_id, numbers, reasons = next((rejection for rejection in rejected if rejection[1]), rejected[0])
     return Decision(False, risk, steps, probe_steps, probe_steps, numbers=numbers,
                     reasons=[f"nearest entry {entry_id} rejected"] + reasons)
 

@@ -189,3 +189,6 @@ def test_resume_from_hits_off_resumes_only_from_full_generations():
     alone = decide([hit], 20, 3, policy_for("safe"), "safe")
     assert not alone.reuse and "is itself a reuse of entry root" in " ".join(alone.reasons)
     assert decide([hit], 20, 3, policy_for("balanced", resume_from_hits=True), "balanced").entry_id == "hit"
+    far = _candidate(new, _sig(BASE + 5.0), entry="far root")      # judged and refused: its numbers explain the miss
+    refused = decide([hit, far], 20, 3, policy_for("balanced"), "balanced")
+    assert not refused.reuse and refused.reasons[0] == "nearest entry far root rejected" and refused.numbers
