@@ -302,11 +302,11 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
                         reasons=[f"no earlier generation of this model, shape and schedule is in the cache{options}"])
     if refuses_few_step(policy, steps, probe_steps):
         return Decision(False, risk, steps, probe_steps, probe_steps, reasons=[few_step_gate.refusal(steps)])
-    best, rejected = None, []
+    best, rejected, skipped = None, [], []
     for candidate in candidates:
         source = candidate.record.reused_from
         if source is not None and not policy.resume_from_hits:
-            rejected.append((candidate.record.entry_id, {}, [
+            skipped.append((candidate.record.entry_id, {}, [
                 f"entry {candidate.record.entry_id} is itself a reuse of entry {source}: only full generations are "
                 "resumed from (resume_from_hits off)"]))
             continue
@@ -321,8 +321,8 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
             best = decision
     if best is not None:
         return best
-    # the nearest candidate the limits judged says why more than a hit's result skipped unjudged (resume_from_hits)
-    entry_id, numbers, reasons = next((rejection for rejection in rejected if rejection[1]), rejected[0])
+    # the nearest candidate the limits judged says why, more than a hit's result skipped unjudged (resume_from_hits)
+    entry_id, numbers, reasons = (rejected or skipped)[0]
     return Decision(False, risk, steps, probe_steps, probe_steps, numbers=numbers,
                     reasons=[f"nearest entry {entry_id} rejected"] + reasons)
 
