@@ -11,8 +11,7 @@ misses with their probe, repeats; in model calls and in seconds on this machine)
 Methods: no_reuse, text_similarity (NIRVANA-style: MiniLM cosine picks the entry, fixed resume step), steps_<N>
 (fewer steps: --fewer-steps), easycache (the EasyCache rule, benchmarks/step_skipping.py), carnator_<risk> (the
 product's pipeline, refine on, at each risk level), carnator+steps_<N> and carnator+easycache (the default risk on top
-of the per-request method), carnator_subject_rule (the default with the gate's refuse_subject_change on),
-carnator_full_sources (the default resuming from full generations only: the gate's resume_from_hits off).
+of the per-request method), carnator_subject_rule (the default with the gate's refuse_subject_change on).
 
     python benchmarks/trace.py --requests 50 --out /tmp/trace.json                      # quick CPU run
     python benchmarks/trace.py --device cuda --jobs 16 --out $OUT/trace.json             # 1,000 requests per habit
@@ -61,9 +60,7 @@ def methods(fewer_steps: int) -> dict:
     table.update({f"carnator+{steps}": (f"carnator_refine+{steps}", DEFAULT_RISK, {}),
                   "carnator+easycache": ("carnator_refine+easycache", DEFAULT_RISK, {}),
                   # the default with the gate's subject rule on (off by default until measured)
-                  "carnator_subject_rule": ("carnator_refine", DEFAULT_RISK, {"refuse_subject_change": True}),
-                  # the default resuming from full generations only (the gate's resume_from_hits off)
-                  "carnator_full_sources": ("carnator_refine", DEFAULT_RISK, {"resume_from_hits": False})})
+                  "carnator_subject_rule": ("carnator_refine", DEFAULT_RISK, {"refuse_subject_change": True})})
     return table
 
 
