@@ -46,9 +46,10 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: the preset's, 50 real)")
     parser.add_argument("--probe", type=int, default=None, help="probe steps (default: the preset's, 5 real)")
     args = parser.parse_args(argv)
-    steps = args.steps or PRESETS["smoke" if args.smoke else "real"]["steps"]
-    if args.probe is not None and not 1 <= args.probe < steps:
-        parser.error(f"--probe {args.probe} must be between 1 and --steps - 1 ({steps - 1})")
+    preset = PRESETS["smoke" if args.smoke else "real"]
+    args.steps, args.probe = args.steps or preset["steps"], args.probe or preset["probe"]
+    if not 1 <= args.probe < args.steps:
+        parser.error(f"--probe {args.probe} must be between 1 and --steps - 1 ({args.steps - 1})")
     return args
 
 
@@ -135,7 +136,7 @@ def op_differences(plain: dict, miss: dict, key: str, top: int = 12) -> list:
 
 def run(args):
     preset = dict(PRESETS["smoke" if args.smoke else "real"])
-    preset.update({key: value for key, value in (("steps", args.steps), ("probe", args.probe)) if value})
+    preset.update(steps=args.steps, probe=args.probe)
     n, p = preset["steps"], preset["probe"]
     device_name = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cuda = torch.device(device_name).type == "cuda"

@@ -25,3 +25,15 @@ def test_miss_profile_smoke(tmp_path):
     assert {"extra_pct", "extra_ms_step_p", "extra_ms_steps_after_p"} <= set(report["summary"])
     assert set(report["profiled"]) == {"plain", "miss"}
     assert "| where | extra ms |" in completed.stdout
+
+
+def test_miss_profile_takes_a_schedule_and_refuses_a_probe_that_does_not_fit_it():
+    import subprocess
+    import sys
+    few = subprocess.run([sys.executable, SCRIPT, "--steps", "4", "--out", "x.json"], capture_output=True, text=True)
+    assert few.returncode == 2 and "--probe 5 must be between 1 and --steps - 1 (3)" in few.stderr
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import miss_profile
+    args = miss_profile.parse_args(["--steps", "4", "--probe", "1", "--out", "x.json"])
+    assert (args.steps, args.probe) == (4, 1)
+    assert miss_profile.parse_args(["--smoke", "--out", "x.json"]).steps == miss_profile.PRESETS["smoke"]["steps"]
