@@ -107,7 +107,7 @@ def test_an_open_reads_no_entry_to_find_orphan_blobs(tmp_path, monkeypatch):
 def test_the_probe_draws_the_lookups_projection_in_the_background_and_the_lookup_waits_for_that_draw(
         tiny_model, monkeypatch):
     """A process's first lookup for a latent shape drew its projection itself (0.36 s of an LTX-Video miss on the
-    H200); the probe now starts that draw, sized from the latent, and the lookup reuses it (one draw, same bits)."""
+    H200); the probe now starts that draw, sized from the latent, and the lookup reuses it (one draw, the same projection)."""
     from carnator_engine.store import vectors
     from carnator_engine.euler import TinyDiTRunner
     from carnator_engine.pipeline import CarnatorConfig, probe
@@ -128,7 +128,9 @@ def test_the_probe_draws_the_lookups_projection_in_the_background_and_the_lookup
     vector = vectors.compact_vector(probed.signature)
     assert [call for call in drawn if call[1] == 0] == [(size, 0)]
     expected = (probed.signature.denoised.float().reshape(-1) @ original(size, vectors.DENOISED_DIM, 0)) / size ** 0.5
-    assert torch.equal(vector[:vectors.DENOISED_DIM], expected)
+    # The store takes this product on one torch thread, the test on the default pool: a sum split over other threads
+    # rounds differently, so the comparison allows float32 rounding (the projection drawn is the same either way).
+    torch.testing.assert_close(vector[:vectors.DENOISED_DIM], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_lookup_runs_its_products_on_one_torch_thread_and_gives_the_pool_back(store, monkeypatch):
