@@ -281,6 +281,26 @@ def test_block_sparse_attention_class_attend_and_density():
         plan.attend(3, *qkv(L=40))
 
 
+def test_a_plan_that_allows_every_block_attends_densely_and_a_small_mask_is_expanded_once(monkeypatch):
+    """A table densified to all True (a hit whose target region spans the clip) skips nothing: the plan runs dense
+    attention, not a masked kernel that computes every block anyway (on a CPU 1.4x the dense time, mask
+    included); a partial table's token mask is expanded at its first call only, not at every step."""
+    expanded = []
+    real = sa.expand_token_mask
+    monkeypatch.setattr(sa, "expand_token_mask", lambda *a: expanded.append(a) or real(*a))
+    q, k, v = qkv(L=70, seed=21)
+    conn = random_conn(5, 5, 0.3, 22)
+    plan = BlockSparseAttention({0: torch.ones(5, 5, dtype=torch.bool), 1: conn}, block_size=16)
+    for _ in range(3):
+        torch.testing.assert_close(plan.attend(0, q, k, v), F.scaled_dot_product_attention(q, k, v))
+        torch.testing.assert_close(plan.attend(1, q, k, v), reference_f64(q, k, v, conn, 16).float(),
+                                   atol=1e-5, rtol=1e-5)
+    assert len(expanded) == 1
+    plan.set_dense_blocks(dense_query_blocks=[0, 1, 2, 3, 4])     # now every pair of block 1 is allowed too
+    torch.testing.assert_close(plan.attend(1, q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert len(expanded) == 1
+
+
 def _token_mask_of_block_mask(bm, table, block_size, Lq, Lk):
     """Rebuild the token mask a BlockMask (tile 128) describes."""
     T = sa.FLEX_TILE

@@ -444,6 +444,9 @@ def _sdpa_block_sparse(q, k, v, connectivity, block_size, scale):
 
 
 BACKENDS = ("auto", "fa4", "flex", "sdpa")
+# Token masks up to this many entries (4 MiB of bools) are kept per block by BlockSparseAttention for the masked SDPA
+# fallback; a larger one (a real video's) is expanded at each call, as keeping one per block would hold gigabytes.
+_KEPT_TOKEN_MASK = 1 << 22
 
 
 def _check_backend(backend: str) -> None:
@@ -806,6 +809,10 @@ class BlockSparseAttention:
         # the table is fixed for this block and these shapes, so the kernel's index tensors are built once
         rkey = (int(block_index), str(q.device), tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype, scale,
                 video_tokens)
+        if self.backend == "auto" and self._allows_every_block(rkey, table):
+            # nothing to skip (a target region that densified the whole table): dense attention is the same
+            # result, and faster than any masked or block-sparse kernel
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
         if self.backend in ("auto", "fa4") and fa4_attention.supports(q, self.block_size):
             run = self._runners.get(rkey + ("fa4",))
             if run is None:
@@ -827,10 +834,22 @@ class BlockSparseAttention:
                 self._runners[rkey] = run
             if run:
                 return run(q, k, v)
-        fallback = "sdpa" if q.is_cuda else self.backend  # backend='flex' on CPU raises
-        return block_sparse_attention(
-            q, k, v, table, self.block_size, scale=scale, backend=fallback, validate=False
-        )
+        if self.backend == "flex" or q.shape[2] * k.shape[2] > _KEPT_TOKEN_MASK:
+            fallback = "sdpa" if q.is_cuda else self.backend  # backend='flex' on CPU raises
+            return block_sparse_attention(
+                q, k, v, table, self.block_size, scale=scale, backend=fallback, validate=False
+            )
+        mask = self._runners.get(rkey + ("sdpa",))
+        if mask is None:    # a small table's token mask: expanded once, not at every step
+            mask = self._runners[rkey + ("sdpa",)] = expand_token_mask(table, self.block_size, q.shape[2],
+                                                                       k.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    def _allows_every_block(self, rkey: tuple, table: torch.Tensor) -> bool:
+        full = self._runners.get(rkey + ("full",))
+        if full is None:    # read once per table (on a GPU, reading it waits for the device)
+            full = self._runners[rkey + ("full",)] = bool(table.all())
+        return full
 
     __call__ = attend
 
