@@ -63,6 +63,13 @@ class CarnatorConfig:
     def policy(self) -> gate_module.GatePolicy:
         return gate_module.policy_for(self.risk, **self.gate_overrides)
 
+    def reuse_settings(self) -> dict:
+        """Every setting of this config, as a hit's result may depend on it, with the gate's overrides resolved into
+        the policy they give: the same limits set through a risk preset or through overrides are one setting."""
+        settings = dataclasses.asdict(self)
+        del settings["gate_overrides"]
+        return {**settings, "policy": dataclasses.asdict(self.policy())}
+
     def validate(self, steps: int) -> None:
         if steps < 2:
             raise ValueError(f"the schedule has {steps} step(s): Carnator needs at least 2 (a probe step and one the "
@@ -205,10 +212,11 @@ def _start_image(runner) -> str:
 
 
 def hit_replay_key(request_key: str, config: CarnatorConfig) -> str:
-    """The key a hit's entry answers repeats under: the request key with every reuse setting (risk, gate overrides,
-    attention and localization switches, probe length), since a hit's result depends on them as well; a request
-    repeated with other settings goes through the gate again."""
-    settings = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    """The key a hit's entry answers repeats under: the request key with every reuse setting
+    (CarnatorConfig.reuse_settings), since a hit's result depends on them as well; a request repeated with other
+    settings goes through the gate again. Only a stage that knows every setting may compute it: the resume (the
+    staged nodes' Early Probe and Gate run before the Resume's settings are known), or `generate` up front."""
+    settings = json.dumps(config.reuse_settings(), sort_keys=True, default=str)
     return hashlib.sha256(f"{request_key}|hit|{settings}".encode()).hexdigest()[:32]
 
 
@@ -216,14 +224,16 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
           identity: Optional[tuple] = None, store: Optional[CarnatorStore] = None) -> ProbeResult:
     """The first steps of the request and its Early Signature; `identity` is request_identity's answer when the
     caller already has it (hashing a video's noise is not free). With a store, an exact repeat of a full generation
-    is found first and nothing runs: the result carries that generation's final latent (`repeat`)."""
+    is found first and nothing runs: the result carries that generation's final latent (`repeat`). Only a full
+    generation's: the later stages' settings, which a hit's result depends on, are not known yet (`resume` answers
+    a repeated hit)."""
     _validate_request(runner, noise, sigmas, config)
     started = time.perf_counter()
     uncacheable = getattr(runner, "uncacheable", "") or ""
     fault = ""
     if store is not None and not uncacheable:
         identity = identity or request_identity(runner, noise, sigmas)
-        repeat, fault = _repeated(store, identity, config)
+        repeat, fault = _repeated(store, identity)
         if repeat is not None:
             return ProbeResult(None, None, None, sigmas, config.probe_steps, *identity,
                                time.perf_counter() - started, repeat=repeat)
@@ -261,17 +271,26 @@ def _replay(store: CarnatorStore, identity: tuple, steps: int, config: CarnatorC
     return _replayed(repeat[1].to(device), decision, store, {"replay": time.perf_counter() - started}), ""
 
 
-def _repeated(store: CarnatorStore, identity: tuple, config: CarnatorConfig) -> tuple:
-    """((entry id, final latent) of a readable full generation of exactly this request, else of a hit of it with
-    the same reuse settings, or None; the store's fault when it could not be read, else "")."""
+def _repeated(store: CarnatorStore, identity: tuple, config: Optional[CarnatorConfig] = None) -> tuple:
+    """((entry id, final latent) of a readable full generation of exactly this request, else, given the request's
+    complete `config`, of a hit of it with the same reuse settings, or None; the store's fault when it could not be
+    read, else "")."""
     bucket, request_key = identity
     reads = types.SimpleNamespace(store_fault="")      # the request's failed read, before it has a ProbeResult
-    for key in (request_key, hit_replay_key(request_key, config)):
-        record = _read(store, "the exact-repeat check", lambda: store.exact_repeat(bucket, key), request=reads)
-        final = _stored_final(store, record.entry_id) if record is not None else None
-        if final is not None:
-            return (record.entry_id, final), ""
+    keys = [request_key] + ([hit_replay_key(request_key, config)] if config is not None else [])
+    for key in keys:
+        repeat = _repeat_of(store, bucket, key, reads)
+        if repeat is not None:
+            return repeat, ""
     return None, reads.store_fault
+
+
+def _repeat_of(store: CarnatorStore, bucket: str, key: str, request) -> Optional[tuple]:
+    """(entry id, final latent) of the readable entry whose stored result answers `key` (EntryRecord.repeat_key),
+    else None; a failed read is kept in `request` (_read)."""
+    record = _read(store, "the exact-repeat check", lambda: store.exact_repeat(bucket, key), request=request)
+    final = _stored_final(store, record.entry_id) if record is not None else None
+    return (record.entry_id, final) if final is not None else None
 
 
 def _stored_final(store: CarnatorStore, entry_id: str) -> Optional[torch.Tensor]:
@@ -326,16 +345,15 @@ def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
 def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
            bucket_reasons: tuple = ()) -> gate_module.Decision:
     """The gate's decision, unless the request is a full generation's exact repeat (found before probing, or
-    a candidate): then that generation's result. `bucket_reasons` (new_bucket_reasons) explain a miss for want of
-    any candidate."""
+    a candidate): then that generation's result. A repeated hit is `resume`'s to answer, which knows every reuse
+    setting. `bucket_reasons` (new_bucket_reasons) explain a miss for want of any candidate."""
     if probed.uncacheable:
         return gate_module.Decision(False, config.risk, probed.steps, probed.probe_steps, probed.probe_steps,
                                     reasons=[probed.uncacheable])
     if probed.repeat is not None:
         return gate_module.exact_repeat(probed.repeat[0], probed.steps, config.risk)
-    replay_key = hit_replay_key(probed.request_key, config)
-    for candidate in sorted(candidates, key=lambda c: c.record.reused_from is not None):  # full generations first
-        if candidate.record.replays(probed.request_key) or candidate.record.replays(replay_key):
+    for candidate in candidates:
+        if candidate.record.replays(probed.request_key):
             return gate_module.exact_repeat(candidate.record.entry_id, probed.steps, config.risk, probed.probe_steps)
     if probed.store_fault and not candidates:    # nothing could be compared: say so, not "no earlier generation"
         return gate_module.Decision(False, config.risk, probed.steps, probed.probe_steps, probed.probe_steps,
@@ -370,8 +388,10 @@ def _continue(runner, probed: ProbeResult, decision: gate_module.Decision, store
 def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: CarnatorStore,
            config: CarnatorConfig, prompt: str = "", seed: int = 0, model_name: str = "") -> GenerationResult:
     """Finishes the request (from the cache on a hit, from the probe state on a miss) and stores it; an exact
-    repeat returns its entry's result, or is generated in full if that entry can no longer be read. `model_name`
-    labels the entry in the cache browser (the model's file name; default: a short fingerprint)."""
+    repeat returns its entry's result, or is generated in full if that entry can no longer be read. So does a
+    repeated hit: an earlier hit of exactly this request with exactly these settings (`config`, complete here: the
+    staged nodes' Resume adds its own to the Gate's). `model_name` labels the entry in the cache browser (the
+    model's file name; default: a short fingerprint)."""
     started = time.perf_counter()
     warnings = []
     changed = getattr(runner, "changed_since_fingerprint", None)
@@ -381,9 +401,14 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
         probed = dataclasses.replace(probed, uncacheable=why)
         if decision.reuse:
             decision = resume_stage.full_generation(decision, probed, why)
+    repeat = probed.repeat
+    if not decision.exact_repeat and repeat is None and not probed.uncacheable:
+        repeat = _repeat_of(store, probed.bucket, hit_replay_key(probed.request_key, config), probed)
+        if repeat is not None:
+            decision = gate_module.exact_repeat(repeat[0], probed.steps, config.risk, probed.probe_steps)
     if decision.exact_repeat:
-        held = probed.repeat is not None and probed.repeat[0] == decision.entry_id
-        final = probed.repeat[1] if held else _stored_final(store, decision.entry_id)
+        held = repeat is not None and repeat[0] == decision.entry_id
+        final = repeat[1] if held else _stored_final(store, decision.entry_id)
         if final is not None:
             device = probed.latent.device if probed.latent is not None else final.device
             return _replayed(final.to(device), decision, store,

@@ -26,9 +26,9 @@ from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
-from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, check_switch,
-                     explained, fail, make_config, model_label, progress_callback, prompt_text, send_decision,
-                     summary_text, to_json)
+from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, check_risk,
+                     check_switch, explained, fail, make_config, model_label, progress_callback, prompt_text,
+                     restaged, send_decision, summary_text, to_json)
 from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
@@ -197,6 +197,7 @@ class MatchesBundle:
     directory: str
     candidates: list
     bucket_reasons: list        # why there are none, when the probe's bucket holds no entry
+    config: pipeline.CarnatorConfig   # the probe's, with the lookup's limit
 
 
 @dataclass
@@ -393,7 +394,7 @@ class CarnatorSignatureCacheLookup(io.ComfyNode):
             f"{c.record.entry_id}: denoised {c.distance.denoised:.3f}, hidden {c.distance.hidden:.4f}, "
             f"attention {c.distance.attention:.3f}" for c in candidates]
         reasons = [] if candidates or repeat is not None else pipeline.new_bucket_reasons(store, bundle.probed)
-        return io.NodeOutput(MatchesBundle(bundle.token, store.location, candidates, reasons),
+        return io.NodeOutput(MatchesBundle(bundle.token, store.location, candidates, reasons, config),
                              ui=ui.PreviewText("\n".join(lines + reasons)))
 
 
@@ -465,8 +466,8 @@ class CarnatorCompatibilityGate(io.ComfyNode):
                 raise fail(node, name, f"{name}={value} must be >= 0 (0 uses the risk preset)")
             if value > 0:
                 overrides[name] = int(value) if name == "min_saved_steps" else value
-        config = make_config(node, bundle.probed.steps, bundle.config.probe_steps, risk,
-                             bundle.config.block_size, bundle.config.sparse_attention, overrides)
+        config = restaged(node, matches.config, bundle.probed.steps, risk=check_risk(node, risk),
+                          gate_overrides=overrides)
         decision = pipeline.decide(bundle.probed, matches.candidates, config, matches.bucket_reasons)
         summary_json, text = _given_out(_hidden(cls, "unique_id"), decision.summary())
         return io.NodeOutput(DecisionBundle(bundle.token, matches.directory, decision, config), summary_json, ui=text)
@@ -502,9 +503,9 @@ class CarnatorTrajectoryResume(io.ComfyNode):
         if decision.decision.reuse and decision.directory != store.location:
             raise fail(node, "cache", f"is {store.location!r} but the decision reuses an entry of "
                                       f"{decision.directory!r}: connect the same Carnator Cache to Lookup and Resume")
-        config = dataclasses.replace(decision.config, sparse_attention=bool(sparse_attention),
-                                     max_density=check_attention_density(node, attention_density),
-                                     region_only=check_switch(node, "region_only", region_only))
+        config = restaged(node, decision.config, bundle.probed.steps, sparse_attention=bool(sparse_attention),
+                          max_density=check_attention_density(node, attention_density),
+                          region_only=check_switch(node, "region_only", region_only))
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
                                  bundle.model_name)

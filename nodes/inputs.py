@@ -5,6 +5,7 @@ written to the cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -108,9 +109,15 @@ def make_config(node: str, steps: int, probe_steps: int, risk: str = "balanced",
     check_risk(node, risk)
     if int(block_size) < 1:
         raise fail(node, "block_size", f"block_size={block_size} must be >= 1 (64 on CPU, 128 on GPUs)")
-    config = CarnatorConfig(probe_steps=int(probe_steps), risk=risk, block_size=int(block_size),
-                            sparse_attention=bool(sparse_attention), gate_overrides=dict(gate_overrides or {}),
-                            max_density=max_density, region_only=region_only)
+    return restaged(node, CarnatorConfig(), steps, probe_steps=int(probe_steps), risk=risk,
+                    block_size=int(block_size), sparse_attention=bool(sparse_attention), gate_overrides=dict(gate_overrides or {}),
+                    max_density=max_density, region_only=region_only)
+
+
+def restaged(node: str, config: CarnatorConfig, steps: int, **settings) -> CarnatorConfig:
+    """`config` as the stages before this node made it, with this node's settings, checked: every setting set
+    upstream travels on to the Resume, whose config keys a hit's result (pipeline.hit_replay_key)."""
+    config = dataclasses.replace(config, **settings)
     try:
         config.validate(int(steps))
     except ValueError as error:

@@ -1,5 +1,7 @@
 """Requests through the engine API that earlier versions got wrong: a hit repeated, a candidate that cannot
 continue the request, inputs of the wrong kind."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,3 +65,53 @@ def test_storing_something_that_is_not_a_signature_is_a_store_error(store):
     with pytest.raises(StoreError, match="not an Early Signature"):
         store.put(bucket="b", prompt="p", seed=0, steps=10, probe_steps=2, signature="not a signature",
                   payload=TrajectoryPayload({4: latent}, {}), latent_shape=latent.shape)
+
+
+def _staged(model, store, nudge, limit=3, gate=None, resume_with=None):
+    """One request through the staged nodes' engine calls, each stage's config the previous one's with its own
+    settings (the Early Probe's with the store connected, the Lookup's limit, the Gate's, then the Resume's)."""
+    runner, config = TinyDiTRunner(model, PROMPT), _config()
+    probed = probe(runner, _noise(1, nudge), SIGMAS, config, store=store)
+    config = dataclasses.replace(config, lookup_limit=limit)
+    candidates = lookup(store, probed, config)
+    config = dataclasses.replace(config, **(gate or {}))
+    decision = decide(probed, candidates, config)
+    config = dataclasses.replace(config, **(resume_with or {}))
+    return resume(runner, probed, decision, store, config, PROMPT, 1)
+
+
+OTHER_SETTINGS = {"gate risk": dict(gate=dict(risk="safe")),
+                  "gate limit": dict(gate=dict(gate_overrides=dict(max_resume_fraction=0.2))),
+                  "the same limits through overrides, and one more": dict(gate=dict(gate_overrides=dict(
+                      refine_target=True, shrink_with_risk=True, max_hidden=0.03))),
+                  "lookup limit": dict(limit=1),
+                  "dense resume": dict(resume_with=dict(sparse_attention=False)),
+                  "attention density": dict(resume_with=dict(max_density=0.5)),
+                  "region only": dict(resume_with=dict(region_only=True)),
+                  "region share": dict(resume_with=dict(region_only=True, region_max_share=0.9))}
+
+
+@pytest.mark.parametrize("settings", OTHER_SETTINGS.values(), ids=OTHER_SETTINGS.keys())
+def test_a_staged_request_is_never_served_a_hit_made_with_other_reuse_settings(tiny_model, store, settings):
+    """A hit stored by generate (default settings) is replayed for the same request through the staged chain only
+    when every stage's settings are the same: the Early Probe knows none of the later stages' settings."""
+    generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), SIGMAS, store, _config(), PROMPT, 1)
+    hit = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1, 1e-4), SIGMAS, store, _config(), PROMPT, 1)
+    assert hit.decision.reuse and not hit.decision.exact_repeat and hit.entry_id
+    other = _staged(tiny_model, store, 1e-4, **settings)
+    assert not other.decision.exact_repeat and other.model_calls > 2 and other.entry_id
+    # the same settings in the other graph shape replay it: the key is the same in both
+    config = dataclasses.replace(_config(lookup_limit=settings.get("limit", 3)), **settings.get("gate", {}),
+                                 **settings.get("resume_with", {}))
+    again = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1, 1e-4), SIGMAS, store, config, PROMPT, 1)
+    assert again.decision.exact_repeat and again.decision.entry_id == other.entry_id and again.model_calls == 0
+    assert torch.equal(again.latent, other.latent)
+
+
+def test_a_hit_is_replayed_through_the_staged_chain_with_the_same_settings_at_its_resume(tiny_model, store):
+    generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), SIGMAS, store, _config(), PROMPT, 1)
+    hit = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1, 1e-4), SIGMAS, store, _config(), PROMPT, 1)
+    again = _staged(tiny_model, store, 1e-4, gate=dict(gate_overrides=dict(refine_target=True)))  # the preset's
+    assert again.decision.exact_repeat and again.decision.entry_id == hit.entry_id
+    assert again.model_calls == 2 and torch.equal(again.latent, hit.latent)   # the probe's calls, nothing more
+    assert again.entry_id is None and len(store.records()) == 2

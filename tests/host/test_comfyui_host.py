@@ -492,6 +492,47 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
         node(comfy, "CarnatorCompatibilityGate")(other_probe, matches, "balanced")
 
 
+STAGED_SETTINGS = {"gate risk": ({"risk": "safe"}, {}), "gate limit": ({"max_resume_fraction": 0.2}, {}),
+                   "dense resume": ({}, {"sparse_attention": False}),
+                   "attention density": ({}, {"attention_density": 0.5}), "region only": ({}, {"region_only": True})}
+
+
+def test_a_staged_request_is_served_a_samplers_hit_only_with_the_same_settings(comfy, plugin, counted, conds, latent,
+                                                                                tmp_path):
+    """A Sampler hit, then the same request through the staged nodes (the Early Probe with the cache connected):
+    with any other Gate or Resume setting, it goes through the gate, never the hit's stored result; with the
+    Sampler's settings, the Resume replays it after the probe."""
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    sample(comfy, counted.model, cache, positive, negative, latent)
+    hit_latent, hit = sample(comfy, counted.model, cache, nudged(positive), negative, latent)
+    assert hit["reuse"] and not hit["exact_repeat"] and hit["stored_as"]
+    counted.take()
+
+    def staged(gate_settings, resume_settings):
+        probe = node(comfy, "CarnatorEarlyProbe")(counted.model, nudged(positive), negative, latent, SEED, STEPS, CFG,
+                                                  "euler", "simple", PROBE, 0, cache=cache)[0]
+        matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
+        decision = node(comfy, "CarnatorCompatibilityGate")(probe, matches, gate_settings.pop("risk", "balanced"),
+                                                            **gate_settings).result[0]
+        resume_settings = {"sparse_attention": True, **resume_settings}
+        out = node(comfy, "CarnatorTrajectoryResume")(cache, probe, decision, **resume_settings)
+        cache.writer.settle()
+        summary = json.loads(out.result[1])
+        assert hostsetup.shown_text(out).startswith("Carnator " + ("REPEAT" if summary["exact_repeat"] else
+                                                                   "HIT" if summary["reuse"] else "MISS"))
+        return out.result[0], summary, counted.take()
+
+    for name, (gate_settings, resume_settings) in STAGED_SETTINGS.items():
+        _, summary, calls = staged(dict(gate_settings), resume_settings)
+        assert not summary["exact_repeat"] and calls == summary["model_calls"] > PROBE, name
+        if summary["stored_as"]:      # the store as before: the next setting meets the Sampler's hit alone
+            cache.delete(summary["stored_as"])
+    same_latent, same, calls = staged({}, {})
+    assert same["exact_repeat"] and same["entry_id"] == hit["stored_as"] and calls == PROBE == same["model_calls"]
+    assert torch.equal(same_latent["samples"], hit_latent["samples"])
+
+
 def test_gate_node_without_shrinking_resumes_at_the_furthest_step(comfy, plugin, counted, conds, latent, tmp_path):
     positive, negative = conds
     cache = open_cache(comfy, tmp_path / "cache")
