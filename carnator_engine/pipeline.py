@@ -56,6 +56,9 @@ class CarnatorConfig:
     region_only: bool = False
     region_max_share: float = 0.5   # beyond this share of the clip's tokens (halo included): whole-clip resume
     region_full_steps: int = 1      # last steps that run every token again, blending the seam
+    # the share of this process's GPU high-water mark (a full step's peak) a region-only resume may add for the
+    # kept keys and values (kept_kv.placement); beyond it they are streamed from host memory block by block
+    region_memory_margin: float = 0.05
     max_checkpoints: int = 12
     lookup_limit: int = 3
     gate_overrides: dict = field(default_factory=dict)
@@ -89,6 +92,9 @@ class CarnatorConfig:
         if not 0.0 < self.region_max_share <= 1.0:
             raise ValueError(f"region_max_share={self.region_max_share} must be in (0, 1]: the largest share of the "
                              "clip's tokens a region-only resume computes")
+        if not 0.0 <= self.region_memory_margin <= 100.0:
+            raise ValueError(f"region_memory_margin={self.region_memory_margin} must be in [0, 100]: the share of the "
+                             "GPU memory a request already used that region-only resume may add")
         if not isinstance(self.region_full_steps, int) or self.region_full_steps < 0:
             raise ValueError(f"region_full_steps={self.region_full_steps!r} must be a whole number >= 0: the last "
                              "steps of a region-only resume that run every token")

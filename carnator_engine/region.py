@@ -8,7 +8,10 @@ is not computed at all: it follows the cached request's own flow line, from its 
 stored final latent (schedule.jump), so an entry needs nothing beyond what it already stores.
 
 A runner's model reports to `RegionTokens` through the observer: `gather` before its first block, `scatter` after
-its last one, and `self_attention` extends each block's keys and values. Everything here is pure torch.
+its last one, and `self_attention` extends each block's keys and values. Where those keys and values live (pinned host
+memory, streamed to the GPU block by block, or resident) is kept_kv.py's job; when not even streaming fits, or a
+region step runs out of GPU memory, the region steps stop and the rest runs whole-clip (`fallback` says why).
+Everything here is pure torch.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .kept_kv import KeptKeysValues
 
 
 def target_tokens(layout, target_mask: torch.Tensor, halo: tuple) -> torch.Tensor:
@@ -42,35 +47,52 @@ def latent_mask_of_tokens(layout, tokens: torch.Tensor, latent_fhw) -> torch.Ten
 
 class RegionTokens:
     """One region-only run's state on the observer: which tokens go through the blocks, and the keys and values of
-    the rest, captured at full steps (`full_steps`) and attended to at every other step."""
+    the whole clip, captured at full steps (`full_steps`) and attended to at every other step. `memory` and `margin`
+    bound the GPU memory they take (kept_kv.KeptKeysValues)."""
 
-    def __init__(self, target: torch.Tensor, full_steps: frozenset):
+    def __init__(self, target: torch.Tensor, full_steps: frozenset, memory=None, margin: float = 0.05):
         self.target = target.bool().flatten()
         self.length = int(self.target.numel())
         self.kept = self.target.nonzero().flatten()
         self.others = (~self.target).nonzero().flatten()
         self.full_steps = frozenset(full_steps)
         self.active = False         # this step runs the target tokens only
-        self.capturing = False      # this step runs every token and keeps the others' keys and values
+        self.capturing = False      # this step runs every token and keeps the whole clip's keys and values
         self.slot = -1              # which forward of the step (cond and uncond may run apart)
-        # (block, slot) -> (keys, values, front): [B, heads, front + L_other, D], the other tokens' rows after `front`
-        self.keys_values: dict = {}
+        # (block, slot) -> the whole clip's keys and values [B, heads, L(+T), D], the target's rows rewritten each step
+        self.keys_values = KeptKeysValues(memory, margin)
         self.text_tokens: Optional[int] = None
         self.tokens_through_blocks = 0   # rows the first block received over the run (tests, benchmarks)
+        self.region_steps_run = 0   # steps that ran the target tokens only
         self.missing = ""           # why a region step ran without the others' keys and values ("" if never)
+        self.fallback = ""          # why the region steps stopped and the rest ran whole-clip ("" if they did not)
         self._gathered: dict = {}
         self._indices: dict = {}
 
     # ---- the sampler's order ----
 
     def begin_step(self, step: int) -> None:
-        full = step in self.full_steps or not self.keys_values
-        self.capturing = full and len(self.others) > 0
-        self.active = not full
         self.slot = -1
         self._gathered.clear()
+        if self.fallback:
+            self.capturing = self.active = False
+            return
+        full = step in self.full_steps or not len(self.keys_values)
+        self.capturing = full and len(self.others) > 0
+        self.active = not full
         if self.capturing:
-            self.keys_values.clear()
+            self.keys_values.release()
+        elif self.active and not self.keys_values.planned:
+            why = self.keys_values.plan(len(self.kept) / self.length)
+            if why:
+                self.stop(why)
+        self.region_steps_run += int(self.active)
+
+    def stop(self, why: str) -> None:
+        """No more region steps: the rest of the run goes through every token (its keys and values are freed)."""
+        self.fallback = self.fallback or why
+        self.keys_values.release()
+        self.capturing = self.active = False
 
     def forward(self) -> None:
         self.slot += 1
@@ -140,37 +162,36 @@ class RegionTokens:
             self._indices[key] = index
         return self._indices[key]
 
-    def _others(self, device) -> torch.Tensor:
-        key = (str(device), "others")
+    def _rows(self, device, text: int) -> torch.Tensor:
+        """Where a region step's attention rows go in the whole clip's: the kept tokens, then `text` joint text rows
+        after the video (those a padding mask left)."""
+        key = (str(device), "rows", text)
         if key not in self._indices:
-            self._indices[key] = self.others.to(device)
+            self._indices[key] = torch.cat([self.kept, torch.arange(self.length, self.length + text)]).to(device)
         return self._indices[key]
 
     # ---- self-attention ----
 
     def attention_inputs(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """(k, v) to attend with, [B, heads, L, D]: at a full step the other tokens' rows are kept; at a region step
-        the step's own rows go in front of them (attention does not depend on the order of its keys), written into
-        one buffer per block and forward that is reused from step to step."""
+        """(k, v) to attend with, [B, heads, L, D]: at a full step the whole clip's are kept; at a region step the
+        step's own rows are written into the kept ones at their places (the other tokens' rows stay as captured)."""
         key = (block, max(self.slot, 0))
         if self.capturing:
-            index = self._others(k.device)
-            self.keys_values[key] = (k.index_select(2, index), v.index_select(2, index), 0)
+            why = self.keys_values.capture(key, k, v)
+            if why:
+                self.stop(why)
             return k, v
         if not self.active:
             return k, v
-        held = self.keys_values.get(key)
+        held = self.keys_values.fetch(key)
+        text = int(k.shape[2]) - len(self.kept)
         if held is None or held[0].shape[:2] != k.shape[:2] or held[0].shape[-1] != k.shape[-1] \
-                or held[0].dtype != k.dtype:
+                or held[0].dtype != k.dtype or held[0].shape[2] != self.length + text:
             self.missing = self.missing or (f"block {block}, forward {key[1]}: no keys and values of the other tokens "
                                             "were captured for it; the target attended to itself only")
             return k, v
-        keys, values, front = held
-        rows = int(k.shape[2])
-        if front != rows:      # the first region step of this block: room in front of the others' rows
-            keys = torch.cat([k.new_empty(*k.shape[:2], rows, k.shape[-1]), keys[:, :, front:]], dim=2)
-            values = torch.cat([v.new_empty(*v.shape[:2], rows, v.shape[-1]), values[:, :, front:]], dim=2)
-            self.keys_values[key] = (keys, values, rows)
-        keys[:, :, :rows].copy_(k)
-        values[:, :, :rows].copy_(v)
+        keys, values = held
+        index = self._rows(k.device, text)
+        keys.index_copy_(2, index, k)
+        values.index_copy_(2, index, v)
         return keys, values

@@ -9,7 +9,8 @@ step, when the gate asks for it). From there either
   the full steps (the first resumed step, and the first of a new expert). The last `region_full_steps` steps run
   every token again, which blends the seam between the two.
 A hit that cannot follow its entry (a checkpoint missing, another latent shape) is generated in full; one that
-cannot go region-only (no stored final latent, too large a target) resumes whole-clip; each with its reason.
+cannot go region-only (no stored final latent, too large a target, too little GPU memory for the kept keys and values,
+or a region step out of memory) resumes whole-clip; each with its reason.
 """
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ def finish(runner, probed, decision: gate_module.Decision, payload, config, chec
     latent = follow_entry(runner, probed, decision, payload, config, observer, region)
     if region is not None and region.missing:
         warnings.append(f"region-only resume: {region.missing}")
+    if region is not None and region.fallback:
+        decision = _with_reason(decision, region.fallback, {"region_only": False,
+                                                            "region_steps": region.region_steps_run})
     return Finished(decision, latent, observer, payload.connectivity, warnings)
 
 
@@ -100,7 +104,8 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
     region_steps = max(0, decision.steps - decision.resume_step - len(full) - tail) if ok else 0
     decision = _with_reason(decision, reason, {"region_share": round(share, 4), "region_only": ok,
                                                "region_steps": region_steps})
-    return decision, (RegionTokens(tokens, full) if ok else None), ""
+    region = RegionTokens(tokens, full, getattr(runner, "memory", None), config.region_memory_margin) if ok else None
+    return decision, region, ""
 
 
 def _full_steps(runner, decision: gate_module.Decision, config) -> frozenset:
@@ -153,12 +158,21 @@ def region_only_steps(runner, x: torch.Tensor, sigmas: torch.Tensor, k: int, pay
     observer.region, checkpoints, observer.checkpoints = region, observer.checkpoints, None
     try:
         own = runner.run(x, sigmas, k, end, observer)
+    except torch.OutOfMemoryError as error:     # never a failed request: the whole clip from step k instead
+        own = None
+        region.stop(f"region-only resume ran out of GPU memory ({str(error).splitlines()[0][:120]}); whole-clip "
+                    f"resume from step {k}")
     finally:
         observer.region, observer.checkpoints = None, checkpoints
+        region.keys_values.release()     # the last full steps run without them
     fresh = getattr(runner, "fresh_step_cache", None)
     if fresh is not None:     # a step cache's state from these steps would skip the full steps with their changes
         fresh()
-    if not len(region.others):
+    if own is None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return x, k
+    if not len(region.others) or region.fallback:    # after a fallback its steps ran every token: nothing to join
         return own, end
     inside = latent_mask_of_tokens(runner.layout, region.target, x.shape[-3:]).to(own.device)
     cached_k = payload.checkpoints[k].to(own.device, own.dtype)

@@ -196,10 +196,10 @@ def test_block_arguments_are_cut_along_their_token_axis_and_put_back():
     back = region.scatter(joint)
     assert back.shape == (1, 16, 2) and back[0, [1, 5, 7], 0].tolist() == [1, 5, 7]
     assert back[0, 0].abs().sum() == 0 and back[0, 12:, 0].tolist() == [-1.0] * 4
-    for step in (1, 2):                                            # the buffer is rewritten in front each step
+    for step in (1, 2):                                            # the target's rows rewritten in place each step
         q = torch.full((1, 2, 3, 4), -float(step))
         k, v = region.attention_inputs(0, q, q, q)
-        assert k.shape[2] == 12 and k[0, 0, :, 0].tolist() == [-step] * 3 + [0, 2, 3, 4, 6, 8, 9, 10, 11]
+        assert k.shape[2] == 12 and k[0, 0, :, 0].tolist() == [0, -step, 2, 3, 4, -step, 6, -step, 8, 9, 10, 11]
     k, _ = region.attention_inputs(1, q, q, q)                     # a block nothing was captured for
     assert k.shape[2] == 3 and "no keys and values" in region.missing
 

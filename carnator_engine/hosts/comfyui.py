@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
+from ..kept_kv import TorchMemory
 from .conditioning import conditioning_fingerprint, start_image_fingerprint
 from .model_key import host_version, model_key
 from .refused import refusal
@@ -354,6 +355,12 @@ def _attention_override(run: _Run, previous, joint_text: bool):
 
 # ---- the runner -------------------------------------------------------------------------------
 
+def _host_free_memory(device) -> int:
+    """The GPU memory ComfyUI can still give (its free memory, torch's cache included)."""
+    import comfy.model_management
+    return int(comfy.model_management.get_free_memory(device))
+
+
 class ComfyRunner:
     """Runner for a ComfyUI MODEL: `layout`, `model_fingerprint`, `sampler`, `request_fingerprint`, `run`,
     `preview`."""
@@ -413,6 +420,7 @@ class ComfyRunner:
         # part of the bucket: a hit only ever resumes a generation of the same start image ("" for text-to-video)
         self.image_fingerprint = start_image_fingerprint(positive, negative, self.kept_latent, self.noise_mask)
         self.carry = StepCacheCarry()                # the step cache's state from one run of the request to the next
+        self.memory = TorchMemory(_host_free_memory)   # what a region-only resume may keep on the GPU (kept_kv)
         self.low_noise_model, self.switch_step = None, None
         if low_noise_model is not None:
             self._add_low_noise_expert(low_noise_model, sampler_name, scheduler, steps, switch_step, boundary_sigma)

@@ -1,0 +1,187 @@
+"""The kept keys and values of a region-only resume within a memory budget: the placement's accounting, the same result
+whether blocks are resident or streamed through the two buffers, and every memory fallback (not even streaming fits,
+no host memory, a region step out of memory) ending as whole-clip resume with its reason, never a failed request."""
+import dataclasses
+
+import pytest
+import torch
+
+from carnator_engine import kept_kv
+from carnator_engine import resume as resume_stage
+from carnator_engine.kept_kv import GIB, RESERVE, KeptKeysValues, MemoryReading, placement
+from carnator_engine.observer import GenerationObserver
+from carnator_engine.pipeline import CarnatorConfig, resume
+from test_region_resume import PROMPT, STEPS, _hit
+
+MIB = 1 << 20
+
+
+class FakeMemory:
+    """A device memory reading and a host's available memory, as a test sets them."""
+
+    def __init__(self, reading=None, host=64 * GIB):
+        self.reading, self.host = reading, host
+        self.reads = 0
+
+    def read(self, device):
+        self.reads += 1
+        return self.reading
+
+    def host_available(self):
+        return self.host
+
+
+def test_blocks_are_resident_while_they_fit_under_the_high_water_mark_and_streamed_beyond():
+    order = list(range(20))
+    sizes = {key: 100 * MIB for key in order}
+    # 4 GiB in use, a full step peaked at 5 GiB: 5 % margin -> 5.25 GiB; a 10 % region step takes 0.1 GiB of it
+    reading = MemoryReading(in_use=4 * GIB, high_water=5 * GIB, free=70 * GIB)
+    resident, why = placement(order, sizes, reading, share=0.1, margin=0.05)
+    room = 5.25 * GIB - 4 * GIB - 0.1 * GIB - 100 * MIB     # less the attention's copy of one block
+    assert not why and len(resident) == int((room - 200 * MIB) // (100 * MIB)) and resident == set(range(len(resident)))
+    everything, _ = placement(order, sizes, reading, share=0.1, margin=1.0)
+    assert everything == set(order)
+    # the host's free memory caps the ceiling below the high-water mark
+    tight = dataclasses.replace(reading, free=RESERVE + 350 * MIB)
+    resident, why = placement(order, sizes, tight, share=0.0, margin=1.0)
+    assert not why and resident == set()                     # room for the two stream buffers only
+    none, why = placement(order, sizes, dataclasses.replace(reading, free=RESERVE + 250 * MIB), share=0.0, margin=1.0)
+    assert none is None and why.startswith("not enough GPU memory for region-only resume") \
+        and why.endswith("whole-clip resume")
+
+
+def test_off_cuda_the_kept_keys_stay_where_they_are():
+    store = KeptKeysValues(FakeMemory(reading=None))
+    k = torch.randn(1, 2, 6, 4)
+    assert store.capture((0, 0), k, k + 1) == ""
+    assert store.plan(0.5) == "" and store.placed == {"resident": 2 * k.numel() * 4, "streamed": 0}
+    keys, values = store.fetch((0, 0))
+    assert torch.equal(keys, k) and torch.equal(values, k + 1)
+    assert store.fetch((1, 0)) is None
+
+
+@pytest.mark.parametrize("resident", [set(), {(0, 0)}])
+def test_streamed_blocks_give_the_same_hit_as_resident_ones(tiny_model, store, monkeypatch, resident):
+    """The two-buffer stream (prefetching the next block while one attends) against every block resident: the same
+    latent, with every block (or all but one) streamed."""
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    payload = store.trajectory(store.record(decision.entry_id))
+    decision, _, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
+    assert decision.numbers["region_only"]
+
+    def run(placed):
+        _, region, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
+        out = resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver(), region)
+        return out, region, placed(region)
+
+    whole, region, _ = run(lambda region: None)
+    assert not region.fallback and not region.missing
+    monkeypatch.setattr(kept_kv, "placement", lambda order, *args: (set(resident), ""))
+    runner.memory = FakeMemory(reading=MemoryReading(0, 0, 0))
+    loads = []
+    original = KeptKeysValues._load
+    monkeypatch.setattr(KeptKeysValues, "_load", lambda self, key, index: (loads.append(key),
+                                                                           original(self, key, index))[1])
+    streamed, region, _ = run(lambda region: None)
+    assert not region.fallback and not region.missing and runner.memory.reads == 1
+    blocks = len(tiny_model.blocks)
+    assert loads and not set(loads) & resident and len({key for key in loads}) == blocks - len(resident)
+    assert torch.allclose(streamed, whole, rtol=1e-5, atol=1e-5)
+
+
+def _whole_clip(runner, probed, decision, payload, config):
+    return resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver())
+
+
+def test_a_hit_whose_kept_keys_do_not_fit_even_streamed_resumes_whole_clip_with_the_reason(tiny_model, store):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    whole = _whole_clip(runner, probed, decision, store.trajectory(store.record(decision.entry_id)), config)
+    runner.memory = FakeMemory(reading=MemoryReading(in_use=GIB, high_water=GIB, free=0))
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    d = result.decision
+    assert d.reuse and d.numbers["region_only"] is False and d.numbers["region_steps"] == 0
+    assert d.reasons[-1].startswith("not enough GPU memory for region-only resume")
+    assert torch.allclose(result.latent, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hit_without_host_memory_for_the_kept_keys_resumes_whole_clip(tiny_model, store):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    runner.memory = FakeMemory(host=0)
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    assert result.decision.numbers["region_only"] is False
+    assert result.decision.reasons[-1].startswith("not enough host memory to keep the other tokens' keys and values")
+
+
+def test_a_region_step_out_of_memory_resumes_the_whole_clip_from_the_resume_step(tiny_model, store, monkeypatch):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    whole = _whole_clip(runner, probed, decision, store.trajectory(store.record(decision.entry_id)), config)
+    original = type(runner).run
+
+    def run(self, x, sigmas, start, end, observer):
+        if observer.region is not None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, x, sigmas, start, end, observer)
+    monkeypatch.setattr(type(runner), "run", run)
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    d = result.decision
+    assert d.reuse and d.numbers["region_only"] is False
+    assert d.reasons[-1] == (f"region-only resume ran out of GPU memory (CUDA out of memory. Tried to allocate 2.00 "
+                             f"GiB); whole-clip resume from step {d.resume_step}")
+    assert torch.allclose(result.latent, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kept_keys_are_freed_before_the_last_full_steps(tiny_model, store, monkeypatch):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    held = []
+    original = type(runner).run
+
+    def run(self, x, sigmas, start, end, observer):
+        out = original(self, x, sigmas, start, end, observer)
+        held.append((start, observer.region))
+        return out
+    monkeypatch.setattr(type(runner), "run", run)
+    payload = store.trajectory(store.record(decision.entry_id))
+    decision, region, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
+    resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver(), region)
+    assert region.region_steps_run == decision.numbers["region_steps"] > 0
+    assert len(region.keys_values) == 0 and held[-1] == (STEPS - config.region_full_steps, None)
+
+
+def test_the_memory_margin_is_validated_with_the_fix():
+    with pytest.raises(ValueError, match=r"region_memory_margin=-0.1 must be in \[0, 100\]"):
+        CarnatorConfig(region_memory_margin=-0.1).validate(10)
+
+
+@pytest.mark.gpu
+def test_on_cuda_streamed_blocks_from_pinned_memory_match_resident_ones():
+    """The CUDA path: captured into pinned host memory on a side stream, every block but the first streamed through
+    the two buffers while the block before attends; the same keys and values as resident ones, and nothing left
+    allocated on the device after release."""
+    device = torch.device("cuda")
+    blocks, step_rows = 6, torch.tensor([1, 4, 9], device=device)
+    captured = [torch.randn(2, 3, 64, 8, device=device, dtype=torch.bfloat16) for _ in range(blocks)]
+
+    def attend(store, step):
+        outs = []
+        for block in range(blocks):
+            held = store.fetch((block, 0))
+            new = torch.full((2, 3, 3, 8), float(step), device=device, dtype=torch.bfloat16)
+            held[0].index_copy_(2, step_rows, new)
+            outs.append(held[0].float().sum(dim=2) + held[1].float().sum(dim=2))
+        return torch.stack(outs)
+
+    results = []
+    for streamed in (False, True):
+        reading = MemoryReading(in_use=0, high_water=10 * GIB if not streamed else 0, free=100 * GIB)
+        store = KeptKeysValues(FakeMemory(reading), margin=0.0)
+        if streamed:
+            block_bytes = 2 * captured[0].numel() * 2
+            store.memory.reading = MemoryReading(in_use=0, high_water=4 * block_bytes + RESERVE, free=100 * GIB)
+        for block, k in enumerate(captured):
+            assert store.capture((block, 0), k, k * 2) == ""
+        assert store.plan(0.0) == ""
+        assert (store.placed["streamed"] > 0) == streamed
+        results.append(torch.stack([attend(store, step) for step in range(3)]))
+        store.release()
+    torch.cuda.synchronize()
+    assert torch.equal(results[0], results[1])
