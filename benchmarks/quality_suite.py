@@ -17,7 +17,8 @@ read as one: its table adds the sets up and gives each accuracy change against n
 from __future__ import annotations
 
 import argparse
-import json
+import functools
+import glob
 import math
 import os
 import subprocess
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import reports  # noqa: E402
 from quality import sign_test  # noqa: E402
 # request set -> (quality.py arguments, the file stem of its no-reuse reference cache)
 REQUEST_SETS = {"main": (["--stream", "60", "--pairs", "16"], "quality_reference"),
@@ -149,12 +151,16 @@ def label(method: str) -> str:
     return LABELS.get(method, method)
 
 
+@functools.lru_cache(maxsize=4)
+def _reports(out_dir: str) -> dict:
+    """{name: report} of every report in out_dir, packed (benchmarks/reports.py pack) or one to a file."""
+    return {name: report for path in sorted(glob.glob(os.path.join(out_dir, "*.json")))
+            for name, report in reports.read_all(path, rows=False).items()}
+
+
 def _load(out_dir: str, label: str):
-    path = os.path.join(out_dir, f"quality_{label}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as handle:
-        return json.load(handle)["results"]
+    report = _reports(out_dir).get(f"quality_{label}")
+    return None if report is None else report["results"]
 
 
 def _runs(out_dir: str, names):
@@ -298,10 +304,8 @@ def ceiling_table(out_dir: str) -> list:
     """benchmarks/gate_ceiling.py's runs side by side: accuracy if every warm request resumed at one step."""
     found = []
     for label, stem in CEILING_RUNS:
-        path = os.path.join(out_dir, f"{stem}.json")
-        if os.path.exists(path):
-            with open(path) as handle:
-                found.append((label, json.load(handle)["summary"]))
+        if stem in _reports(out_dir):
+            found.append((label, _reports(out_dir)[stem]["summary"]))
     if not found:
         return []
     lines = ["", "| resume step | calls saved | " + " | ".join(f"{label} (no reuse {s['reference_accuracy']:.1%})"

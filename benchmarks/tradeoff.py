@@ -1,14 +1,13 @@
 #!/usr/bin/env python3
 """Accuracy against model calls saved, per method: what a user would pick instead of Carnator (fewer steps, a
-step-skipping cache) and Carnator on top of each. Reads quality.py JSON files (several are pooled, request-weighted,
-with the paired change of requests read all six right against no reuse and its 95 % interval, quality_suite.pool);
-writes a markdown
-table and a PNG plot (one panel per request set: the iteration stream and the adversarial pairs). Where the files
+step-skipping cache) and Carnator on top of each. Reads quality.py JSON files or packs of them (several are
+pooled, request-weighted, with the paired change of requests read all six right against no reuse and its 95 %
+interval, quality_suite.pool); writes a markdown table and a PNG plot (one panel per request set: the iteration stream and the adversarial pairs). Where the files
 hold their per-request rows, a second table compares each "Carnator on top of X" with X alone on the same requests
 (paired flips of all six right, 95 % interval): the difference the goal "equal or better accuracy" is about, which
 two intervals against no reuse cannot resolve.
 
-    python benchmarks/tradeoff.py benchmarks/results/quality/quality_pooled?_per_request_{alone,on_top}.json \\
+    python benchmarks/tradeoff.py benchmarks/results/quality/pooled_per_request_h200.json \\
         --png /tmp/tradeoff.png --md /tmp/tradeoff.md
 """
 from __future__ import annotations
@@ -29,8 +28,8 @@ ROW_KINDS = {"iteration_stream": ("stream", lambda rows: rows), "adversarial_pai
 
 
 def load(paths: list) -> list:
-    """The quality.py reports at `paths`, each read once with its rows where it has them."""
-    return [reports.read(path) for path in paths]
+    """The quality.py reports at `paths` (packs too: each of their reports), read once with their rows."""
+    return [report for path in paths for report in reports.read_all(path).values()]
 
 
 def _set_key(args: dict) -> tuple:
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
         habit = {frozenset([True]): "one seed per session", frozenset([False]): "fresh seeds"}.get(frozenset(habits),
                                                                                               "both seed habits")
         plot(totals, args.png, f"Evaluation world: accuracy vs calls saved ({len(sets)} request set"
-                               f"{'s' if len(sets) > 1 else ''}, {habit}, {len(args.results)} files)")
+                               f"{'s' if len(sets) > 1 else ''}, {habit}, {len(loaded)} runs)")
     return 0
 
 

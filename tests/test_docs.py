@@ -148,6 +148,11 @@ def test_results_holds_only_files_that_results_md_or_the_code_cite():
     assert _uncited_results(RESULTS, _cited_patterns(), source_text) == []
 
 
+def test_results_hold_the_newest_run_of_each_benchmark_in_at_most_80_files():
+    """Superseded runs leave the tree (git keeps them); a run of several reports is one pack (benchmarks/reports.py)."""
+    assert sum(len(names) for _, _, names in os.walk(RESULTS)) <= 80
+
+
 def test_an_uncited_result_is_found(tmp_path):
     results = tmp_path / "results"
     (results / "q").mkdir(parents=True)

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -254,6 +256,14 @@ def test_tradeoff_pairs_carnator_on_top_with_the_method_alone_on_the_same_scored
     assert flips["adversarial_pairs"] == {("carnator_refine+steps_14", "steps_14"): [1, 0, 1]}   # the first not scored
     table = tradeoff.on_top_table(flips, tradeoff.pooled(tradeoff.request_sets(tradeoff.load(paths))))
     assert "| iteration stream (3) | steps_14 | 30% / 30% | -33.3" in table
+    # the same two runs committed as one pack read the same, rows included, and a pack names each run once
+    reports.pack(str(tmp_path / "pack.json"), paths)
+    assert not (tmp_path / "pack.json").read_text().count('"rows": {')      # the rows sit in the pack's rows file
+    assert tradeoff.on_top_flips(tradeoff.load([str(tmp_path / "pack.json")])) == flips
+    assert list(reports.read_all(str(tmp_path / "pack.json"))) == ["alone", "on_top"]
+    assert list(reports.read_all(paths[0])) == ["alone"]
+    with pytest.raises(ValueError, match="named alone is packed already"):
+        reports.pack(str(tmp_path / "twice.json"), [paths[0], paths[0]])
 
 
 def test_quality_runs_on_world_v2_and_scores_whole_scenes(tmp_path):
