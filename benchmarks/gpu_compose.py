@@ -16,11 +16,16 @@ and miss interleaved in alternating order:
   region hit N%         the hit resumed region-only (CarnatorConfig.region_only) with its target forced to N % of
                         the tokens, halo included (--region-shares; random weights give no target region of their own)
   region hit N%+easycache   the same on the EasyCache model
+  region hit N% resident    the region-only hit with every block's kept keys and values on the GPU
+                        (region_memory_margin 100; --region-resident-shares), beside the default's bounded memory
+                        (blocks beyond the memory plain sampling needed are streamed from pinned host memory)
   cfg5 plain / easycache / miss / hit   the same with cfg 5 (cond + uncond)
 Relative L2 differences are against plain (and, for miss+easycache, against easycache alone). The gate runs with
 its defaults (no overrides); a hit it accepts at another checkpoint than k is forced to k (gpu_host.carnator_hit).
 Warm-ups first, out of every timed span: 2 dense steps, then a short Carnator miss and 2 sparse steps with its
-connectivity at this shape (the block-sparse kernel's compile).
+connectivity at this shape (the block-sparse kernel's compile); before the first region-only hit, one region-only hit
+untimed (it pins the host memory the kept keys and values are copied into, which later hits of the process reuse;
+its seconds are reported as region_warm_up_s).
 Goals: hit+easycache >= 3.5x plain and >= 1.6x easycache; miss+easycache within 2 % of easycache; the plain miss
 within 1 % of plain; region-only hit >= 3.6x plain at a 30 % target and >= 5x at 10 %, with EasyCache >= 5.5x; peak
 GPU memory of every case within 10 % of plain's.
@@ -37,6 +42,7 @@ SageAttention elsewhere (cross-attention, dense blocks).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -70,6 +76,9 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=2, help="runs of plain, miss and hit at cfg 1 (median)")
     parser.add_argument("--region-shares", type=shares_list, default=[0.1, 0.3, 0.5],
                         help="target shares of the region-only hits (alone and with EasyCache); empty: none")
+    parser.add_argument("--region-resident-shares", type=shares_list, default=[0.1],
+                        help="target shares of region-only hits with every kept key and value on the GPU "
+                             "(region_memory_margin 100), beside the bounded default; empty: none")
     parser.add_argument("--attention", choices=("default", "sage"), default="default",
                         help="sage: every case with SageAttention's Triton kernels (the sageattention package)")
     return parser.parse_args(argv)
@@ -199,14 +208,14 @@ def run(args):
     def miss(m, cfg, label):
         m, calls = counted(m)
         runner, store = runner_for(m, cfg), new_store(label)
-        with timed() as span:
+        with Peak() as peak, timed() as span:
             result = generate(runner, noise, runner.sigmas, store, config, PROMPT, args.seed)
         entry_id, write_after = written(result)
         if result.decision.reuse or entry_id is None:
             raise RuntimeError(f"{label}: expected a stored miss, got {result.summary()}")
         facts = {"seconds": span["seconds"], "model_calls": calls[0], "parts_s": result.seconds,
                  "write_after_s": write_after, "summary_model_calls": result.model_calls,
-                 "step_cache": result.step_cache}
+                 "step_cache": result.step_cache, "peak_bytes": peak.bytes}
         log(f"{label}: {facts['seconds']:.2f} s, {calls[0]} calls, written {facts['write_after_s']:.2f} s after the "
             f"return {({name: round(v, 3) for name, v in result.seconds.items()})}")
         return facts, runner, store, calls, runner.to_latent_format(result.latent)
@@ -228,15 +237,21 @@ def run(args):
             f"{case['gate_resume_step']}), density {case['density']:.3f}")
         return case, runner.to_latent_format(result.latent)
 
-    def region(runner, store, calls, reference, suffix=""):
+    def region(runner, store, calls, reference, suffix="", shares=None, hit_config=config):
         """The region-only hits at every --region-shares, calls counted at the diffusion model as for the others; one
         that fails is reported in out["region_errors"] and the run goes on (the cases before it are kept)."""
         found = {}
-        for share in args.region_shares:
+        shares = args.region_shares if shares is None else shares
+        if shares and "region_warm_up_s" not in out:
+            with timed() as span:
+                region_hits(runner, store, config, noise, runner.sigmas, k, args.seed, shares[:1], log,
+                            lambda latent: {}, " (warm-up)")
+            out["region_warm_up_s"] = span["seconds"]
+        for share in shares:
             calls[0] = 0
             try:
                 (name, case), = region_hits(
-                    runner, store, config, noise, runner.sigmas, k, args.seed, [share], log,
+                    runner, store, hit_config, noise, runner.sigmas, k, args.seed, [share], log,
                     lambda latent: {"rel_l2_vs_plain": rel_diff(runner.to_latent_format(latent), reference)},
                     suffix).items()
             except Exception:
@@ -299,6 +314,8 @@ def run(args):
                                                                                        base_latent)}
             if cfg == 1.0:
                 cases.update(region(runner, store, calls, base_latent))
+                cases.update(region(runner, store, calls, base_latent, " resident", args.region_resident_shares,
+                                    dataclasses.replace(config, region_memory_margin=100.0)))
             save()
             if cfg == 1.0:   # the threshold: the one nearest 2x at cfg 1, kept for cfg 5
                 for threshold in (float(t) for t in args.easycache_thresholds.split(",")):
@@ -348,6 +365,13 @@ def run(args):
     return out
 
 
+def _kept(case) -> str:
+    """Where a region-only hit kept its keys and values: GiB resident on the GPU / streamed from host memory."""
+    if case.get("region_streamed_bytes") is None:
+        return ""
+    return f"{case['region_resident_bytes'] / 2**30:.2f} / {case['region_streamed_bytes'] / 2**30:.2f}"
+
+
 def print_table(out):
     c = out["config"]
     attention = " with SageAttention" if out.get("attention") == "sage" else ""
@@ -358,15 +382,15 @@ def print_table(out):
           f"{c['easycache_end']:g}; sweep: " + ", ".join(f"{t}: {v['model_calls']} calls"
                                                         for t, v in out["easycache_sweep"].items()) + ")")
     print(f"| {'case':26} | {'seconds':>8} | {'calls':>5} | {'vs plain':>8} | {'vs EasyCache':>12} | "
-          f"{'rel L2 vs plain':>15} | {'peak vs plain':>13} | {'token share':>11} |")
-    print(f"|{'-' * 28}|{'-' * 10}|{'-' * 7}|{'-' * 10}|{'-' * 14}|{'-' * 17}|{'-' * 15}|{'-' * 13}|")
+          f"{'rel L2 vs plain':>15} | {'peak vs plain':>13} | {'token share':>11} | {'K/V GPU / streamed GiB':>22} |")
+    print(f"|{'-' * 28}|{'-' * 10}|{'-' * 7}|{'-' * 10}|{'-' * 14}|{'-' * 17}|{'-' * 15}|{'-' * 13}|{'-' * 24}|")
     for name, case in out["cases"].items():
         rel, peak = case.get("rel_l2_vs_plain"), case.get("peak_vs_plain_pct")
         share = case.get("region_share") if case.get("region_only") else None
         print(f"| {name:26} | {case['seconds']:8.2f} | {case['model_calls']:>5} | {case['speedup_vs_plain']:>7.2f}x | "
               f"{case.get('speedup_vs_easycache', math.nan):>11.2f}x | "
               f"{'' if rel is None else f'{rel:.2e}':>15} | {'' if peak is None else f'{peak:+.1f} %':>13} | "
-              f"{'' if share is None else f'{share:.3f}':>11} |")
+              f"{'' if share is None else f'{share:.3f}':>11} | {_kept(case):>22} |")
     miss = out["cases"]["miss+easycache"]
     print(f"miss+easycache vs easycache alone: rel L2 {miss['rel_l2_vs_easycache']:.2e}, "
           f"{out['miss_easycache_extra_pct_vs_easycache']:+.2f} % time; plain miss {out['miss_extra_pct_vs_plain']:+.2f} "

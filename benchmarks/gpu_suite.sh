@@ -9,7 +9,9 @@
 #
 # In priority order, each given what is left of the 9 minutes (a part cut short leaves its log saying so):
 #   1. gpu_compose.py   Wan 2.1 1.3B, 480p x 81, N=50: plain, miss, hit, EasyCache, miss/hit + EasyCache, and the
-#                       region-only hit at target shares 10/30/50 % alone and on EasyCache, peak memory of each
+#                       region-only hit at target shares 10/30/50 % alone and on EasyCache (the kept keys and values
+#                       within the memory plain sampling needs: streamed from pinned host memory beyond it), and at
+#                       10 % with all of them resident on the GPU; peak memory of each
 #   2. gpu_backbones.py HunyuanVideo 13B, 480p x 81, N=20: plain, miss, hit, region-only hits at 10/30/50 %
 #   3. few_step.py      Wan 2.1 1.3B at 4 and 8 steps: plain, miss, hit, region-only hit at 30 %
 #   4. gpu_backbones.py LTX-Video 2B, 1216x704 x 257, N=20: plain, miss, hit, region-only hit at 30 %

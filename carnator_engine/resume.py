@@ -82,6 +82,10 @@ def finish(runner, probed, decision: gate_module.Decision, payload, config, chec
     if region is not None and region.fallback:
         decision = _with_reason(decision, region.fallback, {"region_only": False,
                                                             "region_steps": region.region_steps_run})
+    elif region is not None:     # where the kept keys and values were: bytes resident on the device and streamed
+        placed = region.keys_values.placed
+        decision = dataclasses.replace(decision, numbers={**decision.numbers, "region_resident_bytes": placed["resident"],
+                                                          "region_streamed_bytes": placed["streamed"]})
     return Finished(decision, latent, observer, payload.connectivity, warnings)
 
 

@@ -19,10 +19,12 @@ def test_gpu_compose_smoke(tmp_path):
     report = json.loads(out.read_text())
     cases = report["cases"]
     assert set(cases) == {"plain", "easycache", "miss", "hit", "miss+easycache", "hit+easycache", "region hit 30%",
-                          "region hit 30%+easycache"}
+                          "region hit 30%+easycache", "region hit 10% resident"}
     region = cases["region hit 30%"]          # the region-only hit: the resume stage took it, on part of the tokens
     assert region["region_only"] and 0 < region["region_share"] < 1 and region["model_calls"] < 10
-    assert cases["region hit 30%+easycache"]["region_only"]
+    assert cases["region hit 30%+easycache"]["region_only"] and cases["region hit 10% resident"]["region_only"]
+    assert region["region_resident_bytes"] > 0 == region["region_streamed_bytes"]   # the CPU: nothing streamed
+    assert report["region_warm_up_s"] > 0 and all("peak_bytes" in case for case in cases.values())
     assert cases["miss+easycache"]["rel_l2_vs_easycache"] < 1e-4
     assert cases["miss+easycache"]["model_calls"] == cases["easycache"]["model_calls"] < cases["plain"]["model_calls"]
     assert cases["miss"]["rel_l2_vs_plain"] < 1e-4

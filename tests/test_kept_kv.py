@@ -87,6 +87,9 @@ def test_streamed_blocks_give_the_same_hit_as_resident_ones(tiny_model, store, m
     blocks = len(tiny_model.blocks)
     assert loads and not set(loads) & resident and len({key for key in loads}) == blocks - len(resident)
     assert torch.allclose(streamed, whole, rtol=1e-5, atol=1e-5)
+    numbers = resume(runner, probed, decision, store, config, PROMPT, 2).decision.numbers
+    assert numbers["region_only"] and numbers["region_streamed_bytes"] > 0
+    assert numbers["region_resident_bytes"] == numbers["region_streamed_bytes"] // (blocks - 1) * len(resident)
 
 
 def _whole_clip(runner, probed, decision, payload, config):
