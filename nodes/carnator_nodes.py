@@ -26,9 +26,9 @@ from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
-from .inputs import (PreparedLatent, check_attention_density, check_latent, check_model, check_number, check_risk,
-                     check_switch, explained, fail, make_config, model_label, progress_callback, prompt_text,
-                     restaged, send_decision, summary_text, to_json)
+from .inputs import (PreparedLatent, check_attention_density, check_in_range, check_latent, check_model, check_number,
+                     check_risk, check_switch, explained, fail, make_config, model_label, progress_callback,
+                     prompt_text, restaged, send_decision, summary_text, to_json)
 from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
@@ -129,6 +129,21 @@ def _summary_output() -> io.Output:
     return io.String.Output("summary_json", display_name="summary_json",
                             tooltip="What happened, as JSON: hit/miss/repeat, resume step, model calls, the gate's "
                                     "numbers and reasons, the entry stored.")
+
+
+def _floats_checked(cls, **values) -> bool:
+    """ComfyUI's check of a prompt, before any of its nodes runs (each node's validate_inputs names its float
+    inputs): each must be a finite number in its widget's range. ComfyUI's own min/max check lets NaN through (every
+    comparison with it is false) and the node's own check comes only when it runs: for the Gate and the Resume, after
+    the Early Probe's model calls. Raised, not returned: ComfyUI repeats a returned error once per input the check
+    names, and shows an exception once, on this node. A linked value (None here) is checked when the node runs."""
+    schema = cls.define_schema()
+    for spec in schema.inputs:
+        value = values.get(spec.id)
+        if isinstance(spec, io.Float.Input) and value is not None:
+            hint = ", or 0 for the risk level's preset" if spec.id in _OVERRIDES + _LATER_OVERRIDES else ""
+            check_in_range(schema.display_name, spec.id, value, spec.min, spec.max, hint)
+    return True
 
 
 def _hidden(cls, name: str):
@@ -265,16 +280,16 @@ class CarnatorCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, cache_dir=None):
+    def validate_inputs(cls, cache_dir=None, size_limit_gb=None):
         """ComfyUI's check of a prompt before any of its nodes runs: a cache_dir this node would refuse is refused
         there, before a probe has spent model calls (read-only: nothing is created). A linked cache_dir (None here)
         is checked when the node runs."""
-        if not isinstance(cache_dir, str):
-            return True
-        try:
-            check_cache_dir(cache_dir)
-        except StoreError as error:
-            return str(fail("Carnator Cache", "cache_dir", str(error)))
+        _floats_checked(cls, size_limit_gb=size_limit_gb)
+        if isinstance(cache_dir, str):
+            try:
+                check_cache_dir(cache_dir)
+            except StoreError as error:
+                raise fail("Carnator Cache", "cache_dir", str(error)) from None
         return True
 
     @classmethod
@@ -342,6 +357,10 @@ class CarnatorEarlyProbe(io.ComfyNode):
                                       "with its Early Signature: connect it to the Lookup, the Gate and the Resume.")],
             hidden=list(_HIDDEN),
         )
+
+    @classmethod
+    def validate_inputs(cls, cfg=None, boundary_sigma=None):
+        return _floats_checked(cls, cfg=cfg, boundary_sigma=boundary_sigma)
 
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
@@ -450,6 +469,15 @@ class CarnatorCompatibilityGate(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, max_hidden=None, max_attention=None, max_context=None, cell_threshold=None,
+                        max_target_fraction=None, max_resume_fraction=None, max_context_share=None,
+                        few_step_resume_fraction=None):
+        return _floats_checked(cls, max_hidden=max_hidden, max_attention=max_attention, max_context=max_context,
+                               cell_threshold=cell_threshold, max_target_fraction=max_target_fraction,
+                               max_resume_fraction=max_resume_fraction, max_context_share=max_context_share,
+                               few_step_resume_fraction=few_step_resume_fraction)
+
+    @classmethod
     def execute(cls, probe, matches, risk, **thresholds) -> io.NodeOutput:
         node = "Carnator Compatibility Gate"
         bundle = _check_probe(node, probe)
@@ -492,6 +520,10 @@ class CarnatorTrajectoryResume(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, attention_density=None):
+        return _floats_checked(cls, attention_density=attention_density)
+
+    @classmethod
     def execute(cls, cache, probe, decision, sparse_attention, attention_density=1.0,
                 region_only=False) -> io.NodeOutput:
         node = "Carnator Trajectory Resume"
@@ -526,6 +558,10 @@ class CarnatorSampler(io.ComfyNode):
             outputs=[_latent_output(), _summary_output()],
             hidden=list(_HIDDEN),
         )
+
+    @classmethod
+    def validate_inputs(cls, cfg=None, attention_density=None, boundary_sigma=None):
+        return _floats_checked(cls, cfg=cfg, attention_density=attention_density, boundary_sigma=boundary_sigma)
 
     @classmethod
     def execute(cls, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,

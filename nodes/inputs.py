@@ -110,8 +110,8 @@ def make_config(node: str, steps: int, probe_steps: int, risk: str = "balanced",
     if int(block_size) < 1:
         raise fail(node, "block_size", f"block_size={block_size} must be >= 1 (64 on CPU, 128 on GPUs)")
     return restaged(node, CarnatorConfig(), steps, probe_steps=int(probe_steps), risk=risk,
-                    block_size=int(block_size), sparse_attention=bool(sparse_attention), gate_overrides=dict(gate_overrides or {}),
-                    max_density=max_density, region_only=region_only)
+                    block_size=int(block_size), sparse_attention=bool(sparse_attention),
+                    gate_overrides=dict(gate_overrides or {}), max_density=max_density, region_only=region_only)
 
 
 def restaged(node: str, config: CarnatorConfig, steps: int, **settings) -> CarnatorConfig:
@@ -137,6 +137,20 @@ def check_switch(node: str, name: str, value) -> bool:
     if not isinstance(value, bool):
         raise fail(node, name, f"{name}={value!r} must be true or false")
     return value
+
+
+def check_in_range(node: str, name: str, value, low: float, high: float, hint: str = "") -> float:
+    """A float input within its widget's range [low, high]; `hint` ends the fix (what a special value means)."""
+    allowed = f"set a value in [{low:g}, {high:g}]{hint}"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise fail(node, name, f"{name}={value!r} is not a number: {allowed}") from None
+    if not math.isfinite(number):
+        raise fail(node, name, f"{name}={number} is not a finite number: {allowed}")
+    if not low <= number <= high:
+        raise fail(node, name, f"{name}={number:g} is outside its range: {allowed}")
+    return number
 
 
 def check_number(node: str, name: str, value) -> float:

@@ -124,6 +124,53 @@ def test_delete_then_clear(host):
     assert json.loads(json.dumps(listing)) == listing
 
 
+# where every_node_prompt puts each Carnator node with float inputs
+NODE_IDS = {"CarnatorCache": "6", "CarnatorEarlyProbe": "7", "CarnatorCompatibilityGate": "9",
+            "CarnatorTrajectoryResume": "10", "CarnatorSampler": "12"}
+
+
+def test_every_float_input_of_every_node_is_refused_before_any_node_runs_when_nan_inf_or_out_of_range(host, tmp_path):
+    """ComfyUI's own range check lets NaN through (every comparison with it is false); the node's own check comes
+    when it runs, for the Gate and the Resume after the Early Probe's model calls. Every FLOAT input the server lists
+    for a Carnator node is refused by the check of the prompt instead, with one error on that node naming the input
+    and its range."""
+    server, _, _ = host
+    status, info = server.json("GET", "/api/object_info")
+    assert status == 200
+    floats = {(class_type, name): spec[1] for class_type, node_info in info.items() if class_type.startswith("Carnator")
+              for group in ("required", "optional") for name, spec in node_info["input"].get(group, {}).items()
+              if spec[0] == "FLOAT"}
+    assert {class_type for class_type, _ in floats} == set(NODE_IDS) and len(floats) == 15
+    for (class_type, name), spec in floats.items():
+        node_id = NODE_IDS[class_type]
+        for value in (float("nan"), float("inf"), -float("inf"), spec["max"] + 1, spec["min"] - 1):
+            prompt = every_node_prompt(str(tmp_path / "cache"))
+            prompt[node_id]["inputs"][name] = value
+            status, answer = server.json("POST", "/api/prompt", {"prompt": prompt})
+            assert status == 400, answer
+            errors = answer["node_errors"].get(node_id, {}).get("errors", [])
+            assert len(errors) == 1, (class_type, name, value, errors)
+            assert f"input '{name}': {name}=" in errors[0]["details"] and "set a value in [" in errors[0]["details"]
+        assert node_errors(server, every_node_prompt(str(tmp_path / "cache")), node_id) == ""
+    assert not (tmp_path / "cache").exists()
+
+
+def every_node_prompt(cache_dir: str) -> dict:
+    """The staged chain and a Carnator Sampler beside it, every float input at a valid value."""
+    prompt = staged_prompt(cache_dir)
+    prompt["6"]["inputs"]["size_limit_gb"] = 1.0
+    prompt["7"]["inputs"]["boundary_sigma"] = 0.875
+    prompt["9"]["inputs"].update({name: 0.0 for name in (
+        "max_hidden", "max_attention", "max_context", "cell_threshold", "max_target_fraction", "max_resume_fraction",
+        "max_context_share", "few_step_resume_fraction")})
+    prompt["10"]["inputs"]["attention_density"] = 0.5
+    prompt["12"] = {"class_type": "CarnatorSampler", "inputs": {
+        **{k: v for k, v in prompt["7"]["inputs"].items() if k != "block_size"}, "cache": ["6", 0], "risk": "balanced",
+        "sparse_attention": True, "attention_density": 1.0}}
+    prompt["13"] = {"class_type": "SaveLatent", "inputs": {"samples": ["12", 0], "filename_prefix": "carnator/latent"}}
+    return prompt
+
+
 def staged_prompt(cache_dir: str, **gate) -> dict:
     """API-format staged chain (Probe -> Lookup -> Gate -> Resume) at 4 steps; its loaders name files the server does
     not have, which only adds their own errors: ComfyUI checks every node of a prompt before running any."""
@@ -166,7 +213,7 @@ def test_inputs_are_refused_before_any_node_runs(host, tmp_path):
     good = str(tmp_path / "new_cache")
     for name, value in (("few_step_resume_fraction", 1.0), ("max_resume_fraction", 1.5)):
         shown = node_errors(server, staged_prompt(good, **{name: value}), "9")
-        assert name in shown and f"Value {value} bigger than max of 0.999" in shown, shown
+        assert f"input '{name}': {name}={value:g} is outside its range: set a value in [0, 0.999]" in shown, shown
     assert node_errors(server, staged_prompt(good, max_attention=0.5), "9") == ""   # in range: no error there
     for cache_dir, message in (("cache\x00dir", "holds a NUL character"),
                                (".", "names ComfyUI's user directory itself"),
