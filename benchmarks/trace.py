@@ -41,7 +41,7 @@ import quality  # noqa: E402
 import reports  # noqa: E402
 from carnator_engine.demo import DEMO_STEPS, DEMO_WORLDS  # noqa: E402
 from carnator_engine.demo.train import WORLDS  # noqa: E402
-from quality_suite import paired_change  # noqa: E402
+from quality import paired_change  # noqa: E402
 
 RISKS = ("safe", "balanced", "aggressive")
 DEFAULT_RISK = "balanced"

@@ -61,13 +61,13 @@ class GatePolicy:
     refine_target: bool = True
     # The resume step shrinks linearly with the risk score by default. Off: every accepted candidate resumes at the
     # furthest step. In the evaluation world no gate input ranked the resumes that went wrong consistently
-    # (benchmarks/gate_ceiling.py), so the shrinking is caution, not a prediction; this switch measures it.
+    # (benchmarks/quality.py ceiling), so the shrinking is caution, not a prediction; this switch measures it.
     shrink_with_risk: bool = True
     # Look-alike edits ("circle" for "triangle", "up" for "down") change the subject itself, yet with the same seed
     # they can pass every limit above (tests/test_gate_look_alike.py: the default reuses both). On: such a
     # candidate is refused (subject_change). It costs hits (on 24 same-seed direction/colour pairs it refused all 7
     # the default took, none of them wrong), so it stays off by default until the pooled evaluation-world check has
-    # run with it (quality_suite.py's subject_rule).
+    # run with it (benchmarks/quality.py suite's subject_rule).
     refuse_subject_change: bool = False
     # Whether an entry that is itself a reuse (a hit's result) may be resumed from. Off for safe and balanced: only
     # full generations are, so a hit's result never starts another (the lookup brings each hit's full generation
@@ -113,7 +113,7 @@ SWITCHES = tuple(f.name for f in fields(GatePolicy) if f.type == "bool")   # on/
 # unit-variance noise. The noise-unit limits alone did not carry to real sizes (see max_context_share); the share of
 # chance does: benchmarks/gate_transfer.py checks the defaults on every backbone at real size. The values were
 # checked in the evaluation world, where the truth of every generated attribute is known: benchmarks/quality.py
-# measures what each preset costs and saves, benchmarks/gate_ceiling.py what any gate could save at best.
+# measures what each preset costs and saves, `benchmarks/quality.py ceiling` what any gate could save at best.
 RISK_POLICIES = {
     "safe": GatePolicy(max_hidden=0.010, max_attention=0.08, max_context=0.20, max_context_share=0.40,
                        cell_threshold=0.30, max_target_fraction=0.35, max_resume_fraction=0.45,

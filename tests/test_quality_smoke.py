@@ -36,7 +36,7 @@ def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
     assert set(first["rows"]["carnator"]["stream"][0]) >= {"reused", "model_calls", "read", "psnr"}
     assert stream["carnator"]["made_wrong"] + stream["carnator"]["made_right"] <= 3
 
-    suite = _script("quality_suite")
+    suite = _script("quality")
     (tmp_path / "suite").mkdir()
     (tmp_path / "suite" / "quality_balanced.json").write_text((tmp_path / "first.json").read_text())
     assert "rows" not in json.loads((tmp_path / "first.json").read_text())   # the summary alone, rows gzipped
@@ -86,9 +86,9 @@ def test_sign_test_of_flips():
 
 
 def test_gate_ceiling_takes_the_furthest_safe_resume_of_each_request(tmp_path):
-    ceiling = _script("gate_ceiling")
+    ceiling = _script("quality")
     out = tmp_path / "ceiling.json"
-    assert ceiling.main(["--stream", "3", "--restart-every", "3", "--steps", "8", "--probe-steps", "2",
+    assert ceiling.main(["ceiling", "--stream", "3", "--restart-every", "3", "--steps", "8", "--probe-steps", "2",
                          "--candidates", "2", "--out", str(out)]) == 0
     report = _script("reports").read(str(out))
     cold, *warm = report["rows"]
@@ -101,7 +101,7 @@ def test_gate_ceiling_takes_the_furthest_safe_resume_of_each_request(tmp_path):
     saved = sum(row["oracle_resume_step"] - 2 for row in report["rows"]) / (8 * 3)
     assert abs(report["summary"]["oracle_calls_saved"] - saved) < 1e-12
 
-    suite = _script("quality_suite")
+    suite = _script("quality")
     (tmp_path / "suite").mkdir()
     (tmp_path / "suite" / "gate_ceiling.json").write_text(out.read_text())
     table = suite.ceiling_table(str(tmp_path / "suite"))
@@ -115,13 +115,13 @@ def test_pooled_sets_add_up_with_a_paired_interval(tmp_path, capsys):
     import math
 
     import pytest
-    suite = _script("quality_suite")
+    suite = _script("quality")
     assert suite.request_set("pooled3_aggressive") == "pooled3"
     assert suite.request_set("replication_seed1") == "replication" and suite.request_set("own_jump_11") == "main"
     assert set(suite.GROUPS["pooled"]) == {f"pooled{s}_{c}" for s in suite.POOLED_SEEDS for c in suite.POOLED_RUNS}
     assert not set(suite.GROUPS["pooled"]) & set(suite.GROUPS["cpu"])
     with pytest.raises(SystemExit):
-        suite.main(["--only", "pooled1_balanced"])
+        suite.main(["suite", "--only", "pooled1_balanced"])
     assert "pooled<seed>_<configuration> (seeds 2-9" in capsys.readouterr().err
 
     one = {"requests": 100, "hit_rate": 0.5, "model_calls_saved": 0.1, "attribute_accuracy": 0.9,
@@ -145,7 +145,7 @@ def test_pooled_sets_add_up_with_a_paired_interval(tmp_path, capsys):
 
 
 def test_one_run_of_each_request_set_goes_first_to_write_its_reference_cache():
-    suite = _script("quality_suite")
+    suite = _script("quality")
     leaders, rest = suite.stages(["refine", "pooled2_balanced_refine", "pooled2_aggressive_refine",
                                   "pooled3_aggressive_refine", "balanced", "pooled3_balanced"])
     assert leaders == ["balanced", "pooled3_balanced", "pooled2_balanced_refine"]
@@ -211,7 +211,7 @@ def _summary(requests, wrong, right, saved):
 
 
 def test_tradeoff_joins_the_runs_of_one_request_set_and_counts_its_requests_once(tmp_path):
-    # A pooled set's methods run split over two files (quality_suite's per_request_alone / per_request_on_top), each
+    # A pooled set's methods run split over two files (the suite's per_request_alone / per_request_on_top), each
     # with the set's no_reuse reference: pooled, every set's requests count once, every method of both files shows.
     def write(name, seed, methods):
         args = {"seed": seed, "stream": 4, "pairs": 2, "fixed_seed": False, "restart_every": 10}
@@ -222,8 +222,8 @@ def test_tradeoff_joins_the_runs_of_one_request_set_and_counts_its_requests_once
     paths = [write("a2.json", 2, {"no_reuse": (0, 0, 0.0), "steps_12": (1, 0, 0.4)}),
              write("b2.json", 2, {"no_reuse": (0, 0, 0.0), "carnator_refine+steps_14": (0, 1, 0.5)}),
              write("a3.json", 3, {"no_reuse": (0, 0, 0.0), "steps_12": (1, 0, 0.4)})]
-    tradeoff = _script("tradeoff")
-    sets = tradeoff.request_sets(tradeoff.load(paths))
+    tradeoff = _script("quality")
+    sets = tradeoff.request_sets(tradeoff.load_runs(paths))
     totals = tradeoff.pooled(sets)["iteration_stream"]
     assert len(sets) == 2 and totals["no_reuse"]["requests"] == 8
     assert totals["steps_12"]["requests"] == 8 and totals["steps_12"]["made_wrong"] == 2
@@ -250,16 +250,16 @@ def test_tradeoff_pairs_carnator_on_top_with_the_method_alone_on_the_same_scored
         return str(tmp_path / name)
     paths = [write("alone.json", {"no_reuse": ([1, 1, 1], [1, 1]), "steps_14": ([1, 0, 1], [0, 1])}),
              write("on_top.json", {"no_reuse": ([1, 1, 1], [1, 1]), "carnator_refine+steps_14": ([0, 1, 0], [1, 0])})]
-    tradeoff = _script("tradeoff")
-    flips = tradeoff.on_top_flips(tradeoff.load(paths))
+    tradeoff = _script("quality")
+    flips = tradeoff.on_top_flips(tradeoff.load_runs(paths))
     assert flips["iteration_stream"] == {("carnator_refine+steps_14", "steps_14"): [2, 1, 3]}
     assert flips["adversarial_pairs"] == {("carnator_refine+steps_14", "steps_14"): [1, 0, 1]}   # the first not scored
-    table = tradeoff.on_top_table(flips, tradeoff.pooled(tradeoff.request_sets(tradeoff.load(paths))))
+    table = tradeoff.on_top_table(flips, tradeoff.pooled(tradeoff.request_sets(tradeoff.load_runs(paths))))
     assert "| iteration stream (3) | steps_14 | 30% / 30% | -33.3" in table
     # the same two runs committed as one pack read the same, rows included, and a pack names each run once
     reports.pack(str(tmp_path / "pack.json"), paths)
     assert not (tmp_path / "pack.json").read_text().count('"rows": {')      # the rows sit in the pack's rows file
-    assert tradeoff.on_top_flips(tradeoff.load([str(tmp_path / "pack.json")])) == flips
+    assert tradeoff.on_top_flips(tradeoff.load_runs([str(tmp_path / "pack.json")])) == flips
     assert list(reports.read_all(str(tmp_path / "pack.json"))) == ["alone", "on_top"]
     assert list(reports.read_all(paths[0])) == ["alone"]
     with pytest.raises(ValueError, match="named alone is packed already"):

@@ -220,9 +220,9 @@ def test_trace_benchmark_runs_on_world2(tmp_path):
 
 
 def test_world_locality_benchmark_finds_world2_edits_more_local(tmp_path):
-    locality = _benchmark("world_locality")
+    locality = _benchmark("quality")
     out = tmp_path / "locality.json"
-    assert locality.main(["--requests", "60", "--out", str(out)]) == 0
+    assert locality.main(["locality", "--requests", "60", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert results["v2"]["all edits"]["edits"] == 59
     assert results["v2"]["color"]["tokens_changed"] <= 0.25            # one quadrant at most
