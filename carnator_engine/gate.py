@@ -169,6 +169,7 @@ class Decision:
     reasons: list = field(default_factory=list)
     refine_step: Optional[int] = None     # the midway step whose model call re-estimates the target region
     exact_repeat: bool = False            # the entry is this very request: its stored result, no model call
+    cell_map: Optional[torch.Tensor] = None  # [Tg, Hg, Wg] the early estimates' difference per cell (a hit's)
 
     @property
     def model_calls(self) -> int:
@@ -316,7 +317,7 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
             continue
         decision = Decision(True, risk, steps, probe_steps, resume, candidate.record.entry_id, cells, numbers,
                             [f"reuse entry {candidate.record.entry_id} ('{candidate.record.prompt}')"] + reasons,
-                            refine)
+                            refine, cell_map=candidate.distance.cell_map)
         if best is None or decision.model_calls < best.model_calls:
             best = decision
     if best is not None:

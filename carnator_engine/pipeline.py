@@ -56,6 +56,9 @@ class CarnatorConfig:
     region_only: bool = False
     region_max_share: float = 0.5   # beyond this share of the clip's tokens (halo included): whole-clip resume
     region_full_steps: int = 1      # last steps that run every token again, blending the seam
+    # the region-only target adds to the gate's cells the fewest cells holding this share of the early estimates'
+    # squared difference (localize.region_cells): a target that carries across models; 0: the gate's cells alone
+    region_target_mass: float = 0.7
     # the share of this process's GPU high-water mark (a full step's peak) a region-only resume may add for the
     # kept keys and values (kept_kv.placement); beyond it they are streamed from host memory block by block
     region_memory_margin: float = 0.05
@@ -92,6 +95,9 @@ class CarnatorConfig:
         if not 0.0 < self.region_max_share <= 1.0:
             raise ValueError(f"region_max_share={self.region_max_share} must be in (0, 1]: the largest share of the "
                              "clip's tokens a region-only resume computes")
+        if not 0.0 <= self.region_target_mass <= 1.0:
+            raise ValueError(f"region_target_mass={self.region_target_mass} must be in [0, 1]: the share of the early "
+                             "estimates' difference the region-only target holds (0: the gate's target cells alone)")
         if not 0.0 <= self.region_memory_margin <= 100.0:
             raise ValueError(f"region_memory_margin={self.region_memory_margin} must be in [0, 100]: the share of the "
                              "GPU memory a request already used that region-only resume may add")

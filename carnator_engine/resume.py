@@ -22,7 +22,7 @@ import torch
 
 from . import gate as gate_module
 from .attention.connectivity import ConnectivityRecorder, plan_from_tensors
-from .localize import latent_mask
+from .localize import latent_mask, region_cells
 from .observer import CheckpointRecorder, GenerationObserver
 from .region import RegionTokens, latent_mask_of_tokens, target_tokens
 from .schedule import jump
@@ -100,7 +100,10 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
                f"holds a final latent of shape {list(final.shape)}, not this request's {list(probed.latent.shape)}")
         reason = f"region-only resume not possible: entry {decision.entry_id} {why}; whole-clip resume"
         return _with_reason(decision, reason, {}), None, reason
-    tokens = target_tokens(runner.layout, latent_mask(decision.target_cells, fhw), REGION_HALO)
+    cells = decision.target_cells
+    if decision.cell_map is not None and cells is not None:
+        cells = region_cells(decision.cell_map, cells, config.region_target_mass)
+    tokens = target_tokens(runner.layout, latent_mask(cells, fhw), REGION_HALO)
     share = float(tokens.float().mean())
     full = _full_steps(runner, decision, config)
     tail = min(config.region_full_steps, decision.steps - decision.resume_step - 1)
@@ -108,6 +111,8 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
     region_steps = max(0, decision.steps - decision.resume_step - len(full) - tail) if ok else 0
     decision = _with_reason(decision, reason, {"region_share": round(share, 4), "region_only": ok,
                                                "region_steps": region_steps})
+    if ok:     # the request's own state at step k covers the whole region it recomputes
+        decision = dataclasses.replace(decision, target_cells=cells)
     region = RegionTokens(tokens, full, getattr(runner, "memory", None), config.region_memory_margin) if ok else None
     return decision, region, ""
 

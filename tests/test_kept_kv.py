@@ -93,6 +93,8 @@ def test_streamed_blocks_give_the_same_hit_as_resident_ones(tiny_model, store, m
 
 
 def _whole_clip(runner, probed, decision, payload, config):
+    """Whole-clip resume of the target a region-only resume of this hit would take."""
+    decision, _, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
     return resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver())
 
 

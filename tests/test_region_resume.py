@@ -38,7 +38,7 @@ def _hit(model, store, seed=2, guidance=1.0, **kwargs):
     assert decision.reuse and decision.refine_step is not None
     cells = torch.zeros_like(decision.target_cells)   # the random-weight model marks every cell: a corner instead
     cells[:, : max(1, cells.shape[1] // 4), : max(1, cells.shape[2] // 4)] = True
-    return runner, probed, dataclasses.replace(decision, target_cells=cells), config
+    return runner, probed, dataclasses.replace(decision, target_cells=cells, cell_map=cells.float()), config
 
 
 def _block_rows(model):
@@ -231,7 +231,8 @@ def test_the_region_setting_is_part_of_a_hits_replay_key():
 
 def test_a_hit_with_no_target_tokens_resumes_whole_clip(tiny_model, store):
     runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
-    decision = dataclasses.replace(decision, target_cells=torch.zeros_like(decision.target_cells), refine_step=None)
+    decision = dataclasses.replace(decision, target_cells=torch.zeros_like(decision.target_cells), refine_step=None,
+                                   cell_map=torch.zeros_like(decision.cell_map))
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     assert result.decision.reuse and result.decision.numbers["region_only"] is False
     assert any("no target tokens" in r and "whole-clip resume" in r for r in result.decision.reasons)
@@ -250,3 +251,22 @@ def test_a_step_cache_starts_afresh_after_the_region_steps(tiny_model, store, mo
     assert result.decision.numbers["region_only"]
     k, end = result.decision.resume_step, STEPS - config.region_full_steps
     assert events[-3:] == [("run", k, True), ("fresh",), ("run", end, False)]
+
+
+def test_the_region_target_holds_most_of_the_difference_whatever_the_models_scale():
+    from carnator_engine.localize import region_cells
+    none = torch.zeros(4, 8, 8, dtype=torch.bool)
+    spot = torch.full((4, 8, 8), 0.1)
+    spot[1:3, 5:7, 5:7] = 1.0                                    # one region differs, the rest a little
+    cells = region_cells(spot, none, mass=0.7)
+    assert cells[1:3, 5:7, 5:7].all() and 0 < cells.float().mean() < 0.5     # that region and its one-cell ring
+    assert torch.equal(region_cells(spot * 0.01, none, 0.7), cells)       # a model of another scale: the same
+    even = torch.full((4, 8, 8), 0.115)                           # spread evenly: most of the clip, not all of it
+    assert 0.5 < region_cells(even, none, 0.7, dilation=0).float().mean() < 0.75
+    gate = torch.zeros_like(none)
+    gate[0, 0, 0] = True
+    assert region_cells(spot, gate, 0.7)[0, 0, 0]                 # the gate's own cells stay in the target
+    assert torch.equal(region_cells(spot, gate, 0.0), gate)        # mass 0: the gate's cells alone
+    assert torch.equal(region_cells(torch.zeros(4, 8, 8), gate, 0.7), gate)   # no difference at all
+    with pytest.raises(ValueError, match=r"region_target_mass=1.5 must be in \[0, 1\]"):
+        CarnatorConfig(region_target_mass=1.5).validate(10)

@@ -132,3 +132,42 @@ def test_two_experts_recapture_the_other_tokens_at_the_switch(comfy, plugin, hos
     assert modes == [(3, True, False), (4, False, True), (5, False, True), (6, True, False), (7, False, True),
                      (8, False, True)]
     assert torch.isfinite(out).all() and not region.missing
+
+
+# a gate loose enough that every tiny random model takes the nudged request as a hit; the target cell threshold
+# stays the preset's (0.35), under which these models mark no cell at all
+LOOSE = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, max_context_share=10.0, max_target_fraction=1.0,
+             max_resume_fraction=0.9, refine_target=False, shrink_with_risk=False)
+
+
+AMPLITUDE = 0.1
+
+
+@pytest.mark.parametrize("name", ["wan2.1", "wan2.2-5b", "hunyuan", "ltxv"])
+def test_a_nudge_that_touches_one_region_resumes_region_only(comfy, plugin, host_dirs, tmp_path, name):
+    """The region-only target carries across models: a request whose noise is nudged in one corner of every frame
+    (too little for the gate's absolute cell threshold to mark any cell) resumes region-only on about that corner,
+    neither nothing nor the whole clip."""
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.pipeline import CarnatorConfig, generate
+    from carnator_engine.store import CarnatorStore
+    model, (positive, negative), shape, _ = _backbone(comfy, name, host_dirs["models"])
+    runner = ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(SEED))
+    nudge = noise.clone()
+    rows, cols = shape[-2] // 4, shape[-1] // 4
+    nudge[..., :rows, :cols] += AMPLITUDE * torch.randn(*shape[:-2], rows, cols,
+                                                        generator=torch.Generator().manual_seed(7))
+    config = CarnatorConfig(probe_steps=2, block_size=16, region_only=True, region_max_share=0.9,
+                            gate_overrides=dict(LOOSE))
+    store = CarnatorStore(str(tmp_path / "cache"), 1 << 30)
+    try:
+        assert not generate(runner, noise, runner.sigmas, store, config, "a corner", SEED).decision.reuse
+        decision = generate(runner, nudge, runner.sigmas, store, config, "a corner", SEED).decision
+    finally:
+        store.close()
+    assert decision.reuse and decision.numbers["target_fraction"] == 0      # the gate's threshold marks nothing
+    assert decision.numbers["region_only"], decision.reasons
+    assert 0 < decision.numbers["region_share"] <= 0.6
+    grid = decision.target_cells.shape
+    assert decision.target_cells[:, : max(1, grid[1] // 4), : max(1, grid[2] // 4)].all()   # the corner is in it
