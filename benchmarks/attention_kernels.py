@@ -1,4 +1,5 @@
-"""Kernel benchmark: dense SDPA vs flex block-sparse attention (carnator_engine.attention.sparse).
+"""Kernel benchmark: dense SDPA vs the block-sparse kernels (carnator_engine.attention.sparse): FlexAttention, and
+with --fa4 FlashAttention-4's (the optional flash-attn-4 package, the `gpu` extra; Hopper or newer).
 
 Default size is Wan2.1-1.3B self-attention at 480p, 81 frames: B=1, 12 heads, D=128,
 L = 21 x 30 x 52 = 32760 tokens, bf16, block 128.
@@ -9,11 +10,15 @@ L = 21 x 30 x 52 = 32760 tokens, bf16, block 128.
 2. Timing (CUDA events, median of --runs after --warmup): dense SDPA (flash, cuDNN,
    default pick), flex with an all-True table, and flex at densities 0.1/0.2/0.3/0.5
    for a random table (diagonal kept) and a "local window" band table.
+3. With --fa4: the FlashAttention-4 kernel as a hit runs it (BlockSparseAttention, backend fa4) at each density
+   and all-True, random tables: its first call (the compile), its error against masked SDPA, its timings; where
+   flash-attn-4 cannot run, each row says why.
 
 Prints a table and writes JSON (--out, default benchmarks/out/attention_kernels.json).
 ``--smoke`` runs a tiny CPU-sized problem through the same code (used by the tests).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/attention_kernels.py --out $OUT/attention_kernels.json
+    python3 benchmarks/attention_kernels.py --fa4 --no-extra-checks --out $OUT/fa4.json     # with flash-attn-4
 """
 
 from __future__ import annotations
@@ -113,6 +118,29 @@ def _with(ctx, fn):
         return fn()
 
 
+def fa4_rows(q, k, v, tables: dict, bs: int, runs: int, warmup: int, cuda: bool) -> list:
+    """FlashAttention-4's block-sparse kernel as a hit runs it, one row per {target density: table}: its first call
+    (the compile), its error against masked SDPA and its timings, or why it cannot run here ("error")."""
+    rows = []
+    for target, table in tables.items():
+        row = {"target_density": target, "density": sa.density(table, bs, q.shape[2])}
+        plan = sa.BlockSparseAttention({0: table}, block_size=bs, backend="fa4")
+        try:
+            started = time.perf_counter()
+            out = plan.attend(0, q, k, v)
+            if cuda:
+                torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - started
+            row["rel_err_vs_sdpa_masked"] = rel_err(out, sa.block_sparse_attention(q, k, v, table, bs, backend="sdpa"))
+            row.update(time_fn(lambda: plan.attend(0, q, k, v), runs, warmup, cuda))
+        except (RuntimeError, ValueError, ImportError) as exc:     # no flash-attn-4, an older GPU, a CPU
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(f"  fa4 d={row['density']:.3f}: " + (row["error"] if "error" in row else f"{row['median_ms']:.3f} ms"),
+              flush=True)
+        rows.append(row)
+    return rows
+
+
 # ----------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------
@@ -133,6 +161,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-extra-checks", action="store_true", help="skip the small other-block-size checks")
+    p.add_argument("--fa4", action="store_true", help="also the FlashAttention-4 block-sparse kernel (flash-attn-4)")
     args = p.parse_args(argv)
     if args.smoke:
         args.frames, args.height, args.width = 3, 4, 5  # L = 60, last block partial
@@ -294,6 +323,13 @@ def main(argv=None) -> dict:
     plan = sa.BlockSparseAttention({0: conn}, block_size=bs, seq_len=L)
     record("plan_attend", sa.density(conn, bs, L), "random",
            time_fn(lambda: plan.attend(0, q, k, v), args.runs, args.warmup, cuda))
+
+    if args.fa4:
+        result["fa4"] = fa4_rows(q, k, v, {d: random_connectivity(nb, d, gen) for d in densities} | {1.0: full},
+                                 bs, args.runs, args.warmup, cuda)
+        for row in result["fa4"]:
+            if "median_ms" in row:
+                record("fa4_plan", row["density"], "random", row)
 
     # flex kernel options (same tables; each variant is checked before it is timed)
     if cuda:
