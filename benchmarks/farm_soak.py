@@ -224,7 +224,7 @@ class Soak:
 
     def run(self) -> dict:
         from carnator_engine.store import CarnatorStore
-        from workers import foreign_files_touched, plant_foreign_files
+        from store import foreign_files_touched, plant_foreign_files
         CarnatorStore(self.server.url, self.args.limit_mb << 20, blob_dir=self.blob_dir).close()   # marks, binds
         planted = plant_foreign_files(self.blob_dir)
         for slot in range(self.args.workers):
@@ -330,7 +330,7 @@ class Soak:
 
 
 def main(argv=None) -> int:
-    from store_scale import cpu_model
+    from store import cpu_model
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--minutes", type=float, default=5.0)

@@ -10,9 +10,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 def test_store_scale_smoke(tmp_path):
     from redis_server import require_redis_server
     require_redis_server()
-    import store_scale
+    import store
     out = tmp_path / "scale.json"
-    assert store_scale.main(["--sizes", "5,20", "--queries", "3", "--puts", "2", "--blob-repeats", "0",
+    assert store.main(["scale", "--sizes", "5,20", "--queries", "3", "--puts", "2", "--blob-repeats", "0",
                              "--memory-entries", "1", "--memory-redis-entries", "0", "--open-with", "fork",
                              "--root", str(tmp_path),
                              "--out", str(out)]) == 0
@@ -29,9 +29,9 @@ def test_store_scale_smoke(tmp_path):
 def test_workers_smoke(tmp_path):
     from redis_server import require_redis_server
     require_redis_server()
-    import workers
+    import store
     out = tmp_path / "workers.json"
-    assert workers.main(["--workers", "2", "--users", "1", "--session", "2", "--steps", "6", "--start-method", "fork",
+    assert store.main(["workers", "--workers", "2", "--users", "1", "--session", "2", "--steps", "6", "--start-method", "fork",
                          "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert results["shared"]["requests"] == results["farm"]["requests"] == results["per_worker"]["requests"] == 2
@@ -41,10 +41,10 @@ def test_workers_smoke(tmp_path):
 
 
 def test_store_scale_reads_rows_against_the_goals():
-    import store_scale
+    import store
     row = {"backend": "disk", "entries": 100_000, "lookup_ms_median": 120.0, "put_ms_median": 12.0, "open_s": 1.5,
            "rebuild_s": 9.0, "open_rss_mb": 150.0, "rebuild_rss_mb": 250.0}
-    verdicts = {v["field"]: v["met"] for v in store_scale.against_goals([row, {**row, "entries": 20}])}
+    verdicts = {v["field"]: v["met"] for v in store.against_goals([row, {**row, "entries": 20}])}
     assert verdicts == {"lookup_ms_median": False, "put_ms_median": True, "open_s": True, "rebuild_s": True,
                         "open_rss_mb": True, "rebuild_rss_mb": False}
 

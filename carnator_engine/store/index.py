@@ -22,7 +22,7 @@ from ..schedule import schedule_fingerprint
 from .store import CarnatorStore, EntryRecord, StoreError
 from .vectors import one_torch_thread
 
-SHORTLIST = 32   # entries whose exact distance is computed per lookup (see benchmarks/store_scale.py)
+SHORTLIST = 32   # entries whose exact distance is computed per lookup (see `benchmarks/store.py scale`)
 
 
 @dataclass

@@ -127,5 +127,5 @@ class MemoryIndex:
         return min(matrix.ids, key=lambda e: self.entries[e].created)
 
     def nbytes(self) -> int:
-        """The matrices' bytes (the rest is Python objects: see benchmarks/store_scale.py for the process' growth)."""
+        """The matrices' bytes (the rest is Python objects: see `benchmarks/store.py scale` for the process' growth)."""
         return sum(matrix.nbytes() for matrix in self.matrices.values())

@@ -5,7 +5,7 @@ set `ids`, the stream `log` (the change log every worker's in-memory index follo
 and `snapshot` the index snapshot every worker opens from. An entry is written,
 updated and removed in one MULTI/EXEC transaction, so no client ever sees part of one, whatever happens to the
 writer; with `appendonly yes` a committed entry survives a restart of the server. Blobs live in Redis too,
-not in a shared directory: benchmarks/store_scale.py measured both for a Wan-1.3B-sized entry (RESULTS.md,
+not in a shared directory: `benchmarks/store.py scale` measured both for a Wan-1.3B-sized entry (RESULTS.md,
 "Store at scale"), and one server with atomic transactions is simpler to run than a server plus a shared
 filesystem, at the price of keeping trajectories in the server's memory.
 
