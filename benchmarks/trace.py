@@ -9,7 +9,7 @@ most tempted. Per method: hit rate, exact repeats, model calls saved, amortized 
 misses with their probe, repeats; in model calls and in seconds on this machine), accuracy, wrong accepts.
 
 Methods: no_reuse, text_similarity (NIRVANA-style: MiniLM cosine picks the entry, fixed resume step), steps_<N>
-(fewer steps: --fewer-steps), easycache (the EasyCache rule, benchmarks/step_skipping.py), carnator_<risk> (the
+(fewer steps: --fewer-steps), easycache (the EasyCache rule, benchmarks/quality.py), carnator_<risk> (the
 product's pipeline, refine on, at each risk level), carnator+steps_<N> and carnator+easycache (the default risk on top
 of the per-request method), carnator_subject_rule (the default with the gate's refuse_subject_change on).
 
