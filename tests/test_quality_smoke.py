@@ -290,3 +290,16 @@ def test_quality_names_missing_world_weights_and_the_training_command(tmp_path, 
     with pytest.raises(SystemExit):
         quality.main(["--world", "v2", "--weights", str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "x")])
     assert "carnator_engine.demo.train --world v2" in capsys.readouterr().err
+
+
+def test_the_easycache_rule_skips_model_calls_alone_and_under_carnator(tmp_path):
+    quality = _script("quality")
+    out = tmp_path / "easycache.json"
+    assert quality.main(["--stream", "2", "--restart-every", "2", "--pairs", "1", "--steps", "8", "--probe-steps", "2",
+                         "--methods", "no_reuse,easycache,carnator_refine+easycache", "--step-cache-threshold", "0.3",
+                         "--out", str(out)]) == 0
+    stream = _script("reports").read(str(out))["results"]["iteration_stream"]
+    assert stream["easycache"]["model_calls_saved"] > 0 and stream["easycache"]["hit_rate"] == 0
+    assert stream["carnator_refine+easycache"]["model_calls_saved"] > 0
+    with pytest.raises(ValueError, match="threshold=-1.0 must be >= 0"):
+        quality.StepSkippingRunner(None, "a prompt", threshold=-1.0)
