@@ -6,7 +6,8 @@ shift...), the patcher's wrappers and callbacks, and every entry of model_option
 wrappers, callbacks, patches, patches_replace, attention overrides, step caches such as ComfyUI's EasyCache /
 LazyCache; guidance functions such as sampler_cfg_function). Each option is fingerprinted by value:
 functions by their code, defaults and closure values, modules by their class, buffers/parameters and plain
-attributes, known step caches by their settings. Anything else (an object of a class Carnator does not know,
+attributes, known step caches by their settings; code from a custom node by its pack's name and its place in the
+pack, never by the folder it is installed in (portable_module_name). Anything else (an object of a class Carnator does not know,
 a closure over one) is *named* in `ModelKey.unknown`: reusing across such a model could serve a result that a
 different option produced, so the pipeline generates that request plainly instead (no lookup, no repeat,
 nothing stored).
@@ -23,7 +24,10 @@ import enum
 import functools
 import hashlib
 import math
+import os
 import re
+import sys
+import tomllib
 import types
 import weakref
 from dataclasses import dataclass
@@ -146,9 +150,9 @@ class _Walk:
         elif isinstance(value, types.FunctionType):
             self._function(path, value, depth)
         elif isinstance(value, types.ModuleType):     # a closure over an imported module: its name says it
-            self._text(f"pymodule:{value.__name__}")
+            self._text(f"pymodule:{portable_module_name(value.__name__)}")
         elif isinstance(value, (types.BuiltinFunctionType, type)):
-            self._text(f"{getattr(value, '__module__', '')}.{_qualname(value)}")
+            self._text(f"{portable_module_name(getattr(value, '__module__', None) or '')}.{_qualname(value)}")
         elif isinstance(value, torch.nn.Module):
             self._module(path, value, depth)
         elif hasattr(value, "weights") and type(value).__module__.startswith("comfy.weight_adapter"):
@@ -166,7 +170,7 @@ class _Walk:
             self.digest.update(sample.to("cpu", torch.float32).contiguous().numpy().tobytes())
 
     def _function(self, path: str, function: types.FunctionType, depth: int) -> None:
-        self._text(f"fn:{function.__module__}.{function.__qualname__}")
+        self._text(f"fn:{portable_module_name(function.__module__ or '')}.{function.__qualname__}")
         if id(function) in self._seen:     # recursion through a closure that refers to itself
             return
         self._seen.add(id(function))
@@ -190,7 +194,7 @@ class _Walk:
                 self._text(repr(const))
 
     def _module(self, path: str, module: torch.nn.Module, depth: int) -> None:
-        self._text(f"module:{type(module).__module__}.{_qualname(module)}")
+        self._text(f"module:{portable_module_name(type(module).__module__)}.{_qualname(module)}")
         self._text(module_fingerprint(module))
         for name, buffer in module.named_buffers():    # non-persistent buffers (a schedule's sigmas) too
             self._text(name)
@@ -213,6 +217,38 @@ class _Walk:
         if self.step_cache is not None and self.step_cache != cache:
             self.unknown.append(f"{path} (a second step cache)")
         self.step_cache = cache
+
+
+# a module ComfyUI's custom-node loader imported under its install path: (the path of the pack, the module in it)
+_INSTALLED = re.compile(r"^(.*[/\\][^./\\]+)(?:\.(.*))?$")
+
+
+def portable_module_name(name: str) -> str:
+    """A module's name as every install of its code gives it. ComfyUI imports a custom node under the path of its
+    folder ("/srv/ComfyUI/custom_nodes/comfyui-pack.nodes.wrap", dots of the path as "_x_"), which differs between
+    machines and workers: the key takes the pack's identity instead, with the module's name inside the pack
+    ("custom node comfyui-pack: nodes.wrap"). Other modules (ComfyUI's own, installed packages) keep their name."""
+    match = _INSTALLED.match(name)
+    if match is None:
+        return name
+    return f"custom node {_pack_identity(match[1])}: {match[2] or ''}"
+
+
+@functools.lru_cache(maxsize=None)
+def _pack_identity(loaded_as: str) -> str:
+    """The name a custom-node pack gives itself, whatever folder it sits in: the project name of its pyproject.toml
+    (the registry's id, the same for a git clone and a registry install), else its folder's (or file's) name."""
+    path = getattr(sys.modules.get(loaded_as), "__file__", None) or loaded_as
+    folder = os.path.dirname(path) if os.path.basename(path) == "__init__.py" else ""
+    if folder:
+        try:
+            with open(os.path.join(folder, "pyproject.toml"), "rb") as handle:
+                name = tomllib.load(handle)["project"]["name"]
+            if isinstance(name, str) and name:
+                return name
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return os.path.splitext(os.path.basename(folder or path.replace("\\", "/")))[0]
 
 
 def _declared(value) -> Optional[str]:

@@ -151,15 +151,20 @@ def peer_missing(name: str) -> str:
 def install_peer(nodes, custom_nodes_dir: str, name: str):
     """Copies the peer node pack `name` into custom_nodes (the shared copy is read-only) and loads it with ComfyUI's
     own custom-node loader, as a user's install would be; returns its module."""
+    return install_pack(nodes, PEERS / name, os.path.join(custom_nodes_dir, name))
+
+
+def install_pack(nodes, source, target: str):
+    """Copies the node pack folder `source` to `target` (a folder in a custom_nodes) and loads it from there with
+    ComfyUI's own custom-node loader, as a user's install would be; returns its module."""
     import shutil
-    target = os.path.join(custom_nodes_dir, name)
     if not os.path.isdir(target):
-        shutil.copytree(PEERS / name, target, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
         os.chmod(target, 0o755)
     module_name = target.replace(".", "_x_")
     if module_name not in sys.modules:
         if not asyncio.run(nodes.load_custom_node(target, ignore=set(), module_parent="custom_nodes")):
-            raise RuntimeError(f"ComfyUI's loader refused the peer node pack {name} at {target}: see the log above")
+            raise RuntimeError(f"ComfyUI's loader refused the node pack at {target}: see the log above")
     return sys.modules[module_name]
 
 
@@ -324,6 +329,7 @@ def import_plugin_package(name: str = "carnator_plugin_under_test"):
 
 
 FIXTURE_NODES = REPO / "tests" / "host" / "fixture_nodes" / "carnator_e2e_fixture"
+WRAPPER_PACK = REPO / "tests" / "host" / "fixture_nodes" / "carnator_wrapper_pack"
 
 
 def fixture_module():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -86,6 +87,26 @@ def test_every_option_alone_and_in_pairs_has_its_own_key(comfy, plugin, tiny_mod
                 easycache(comfy, tiny_model, 3.0, end=0.9), lazycache(comfy, tiny_model, threshold=2.9),
                 sd3_shift(comfy, tiny_model, 6.0), lora(tiny_model, 0.5), ScaleOutputNode().patch(tiny_model, 0.8)]
     assert len({fingerprint(m, conds) for m in variants} | set(keys.values())) == len(combos) + len(variants)
+
+
+def test_a_wrapper_packs_key_is_the_same_wherever_the_pack_is_installed(comfy, plugin, tiny_model, conds, tmp_path):
+    """ComfyUI imports a custom node under the path of its folder: the model key takes what the wrapper does (its
+    pack's name, its code, its settings), so workers whose custom_nodes sit at different paths share entries, while
+    another setting, another wrapper or another pack with the same code gives another key."""
+    source = hostsetup.WRAPPER_PACK
+    worker_a = hostsetup.install_pack(comfy, source, str(tmp_path / "srv" / "ComfyUI" / "custom_nodes" / "pack"))
+    worker_b = hostsetup.install_pack(comfy, source, str(tmp_path / "home.b" / "custom_nodes" / "ComfyUI-Pack"))
+    assert worker_a.__name__ != worker_b.__name__     # the module names ComfyUI gives them: their install paths
+    key = fingerprint(worker_a.ScaleOutput().patch(tiny_model, 0.9)[0], conds)
+    assert fingerprint(worker_b.ScaleOutput().patch(tiny_model, 0.9)[0], conds) == key
+
+    renamed = tmp_path / "other_pack"
+    shutil.copytree(source, renamed, ignore=shutil.ignore_patterns("__pycache__"))
+    (renamed / "pyproject.toml").write_text('[project]\nname = "another-pack"\n')
+    another = hostsetup.install_pack(comfy, renamed, str(tmp_path / "c" / "custom_nodes" / "pack"))
+    others = [worker_a.ScaleOutput().patch(tiny_model, 0.8)[0], worker_b.ShiftOutput().patch(tiny_model, 0.9)[0],
+              another.ScaleOutput().patch(tiny_model, 0.9)[0], ScaleOutputNode().patch(tiny_model, 0.9)]
+    assert len({key} | {fingerprint(model, conds) for model in others}) == 1 + len(others)
 
 
 def test_never_a_repeat_or_hit_across_options_and_the_same_options_repeat(comfy, plugin, tiny_model, conds,
