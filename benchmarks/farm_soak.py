@@ -2,9 +2,9 @@
 reading and deleting entries at random (trajectories of 0.3-1.5 MB, each value its seed, so a wrong or torn one
 shows), while the faults are injected on a schedule, each several times (Redis's data loss once, last): a worker killed with SIGKILL (and
 restarted), Redis killed and restarted from its append-only file, every client connection dropped, the folder
-full (a filler file on its tmpfs), the folder unmounted and mounted again, Redis's data lost (FLUSHALL), Redis
-down while a worker opens its store, and a second farm given the same folder. Files that are not Carnator's, named
-like its own, lie in the folder from the start.
+full (a filler file on its tmpfs), the folder unmounted and mounted again, the folder read-only for a while,
+Redis's data lost (FLUSHALL), Redis down while a worker opens its store, and a second farm given the same folder.
+Files that are not Carnator's, named like its own, lie in the folder from the start.
 
 Reported at the end (and written as JSON):
 - acknowledged: puts that returned an entry id; lost: of those, the ones neither present (checked just before
@@ -13,7 +13,12 @@ Reported at the end (and written as JSON):
 - torn: entries present at those checks whose trajectory fails its checksum or does not hold its seed; wrong_served:
   reads during the run that returned a trajectory other than the entry's (a torn read that was detected is a
   full generation, counted as detected_damage, not served);
-- evicted_live_by_bookkeeping: evictions made while the live entries fit the limit;
+- evicted_live_by_bookkeeping: evictions made while the farm's total (as the eviction's own transaction read it)
+  fit the limit; total_drift_bytes: that total against the sizes of the entries present, at each check (what makes
+  the first figure mean the live entries);
+- stranded_files: blob files in the folder that Redis holds no record of (so nothing counts or ever deletes them),
+  before the FLUSHALL and at the end (not counting the files the FLUSHALL stranded, by design); uncounted_files at
+  the end: records that are neither an entry's nor listed as released or in flight (so the size limit misses them);
 - foreign_touched: planted files changed or gone; second_farm_accepted: opens of a second farm not refused;
   degraded_opens: workers opened while Redis was down (each must open, not fail);
 - peak_folder_bytes against the limit (sampled every 0.2 s; the filler excluded) before the first FLUSHALL and
@@ -43,7 +48,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-FAULTS = ("kill_worker", "restart_redis", "drop_connections", "full_folder", "unmount", "flushall",
+FAULTS = ("kill_worker", "restart_redis", "drop_connections", "full_folder", "unmount", "read_only", "flushall",
           "open_while_redis_down", "second_farm")
 
 
@@ -64,15 +69,22 @@ def worker(index: int, url: str, blob_dir: str, limit: int, log_path: str, seed:
     def note(**event):
         os.write(handle, (json.dumps({"t": time.time(), "worker": index, **event}) + "\n").encode())
 
-    real_delete = CarnatorStore.delete
+    from carnator_engine.store.backends.farm import FarmBackend
+    real_delete, real_evict = CarnatorStore.delete, FarmBackend.evict
 
-    def delete(self, entry_id, explicit=False):
-        # the store's own evictions come through here too: the live bytes at that moment tell a needed eviction
-        # from one the bookkeeping made
-        note(event="delete" if explicit else "evict", id=entry_id, live=self._index.bytes,
-             limit=self.size_limit_bytes)
+    def delete(self, entry_id):
+        note(event="delete", id=entry_id)
         return real_delete(self, entry_id)
-    CarnatorStore.delete = delete
+
+    def evict(self, entry_id, budget):
+        # noted before (a SIGKILL may follow the removal) and after, with the farm's total that the eviction's own
+        # transaction saw: an eviction while that total was within the limit is one the bookkeeping made
+        note(event="evicting", id=entry_id)
+        outcome, total = real_evict(self, entry_id, budget)
+        if outcome == "evicted":
+            note(event="evict", id=entry_id, total=total, limit=budget)
+        return outcome, total
+    CarnatorStore.delete, FarmBackend.evict = delete, evict
     rng = random.Random(seed)
     started = time.time()
     try:
@@ -107,7 +119,7 @@ def worker(index: int, url: str, blob_dir: str, limit: int, log_path: str, seed:
                         tuple(checkpoint.shape) == tuple(record.latent_shape)
                     note(event="read", id=entry, right=right)
                 else:
-                    store.delete(entry, explicit=True)
+                    store.delete(entry)
         except CorruptEntryError as error:
             note(event="damage_detected", why=str(error)[:200])
         except StoreError as error:
@@ -132,6 +144,7 @@ class Soak:
         self.peak, self.peak_before_flush, self.stranded, self.sampling = 0, 0, 0, True
         self.flushes, self.second_farm_accepted, self.skipped = [], 0, []
         self.lost_at_flush, self.torn_at_flush, self.most_workers, self.kills, self.checked = [], 0, 0, 0, 0
+        self.stranded_before_flush, self.files_at_flush, self.drift = [], set(), []
 
     @staticmethod
     def _run(command) -> bool:
@@ -202,10 +215,22 @@ class Soak:
             subprocess.run(["umount", "-l", self.blob_dir], check=True)
             time.sleep(self.args.fault_s)
             subprocess.run(["mount", "--bind", self.share, self.blob_dir], check=True)
+        elif fault == "read_only":
+            if not self.mounted:
+                self.skipped.append(fault)
+                return {**done, "skipped": "no bind mount (needs root)"}
+            # mounted again read-only (a remount fails while writes are open): deletes and writes fail meanwhile
+            subprocess.run(["umount", "-l", self.blob_dir], check=True)
+            subprocess.run(["mount", "--bind", "-o", "ro", self.share, self.blob_dir], check=True)
+            time.sleep(self.args.fault_s)
+            subprocess.run(["umount", "-l", self.blob_dir], check=True)
+            subprocess.run(["mount", "--bind", self.share, self.blob_dir], check=True)
         elif fault == "flushall":
             self.lost_at_flush, _, self.torn_at_flush = self.audit()
+            self.stranded_before_flush = self.unrecorded_files()
             redis.Redis.from_url(self.server.url).flushall()
             self.flushes.append(time.time())
+            self.files_at_flush = set(self.blob_files())
             self.stranded = max(self.stranded, self.folder_bytes())   # the files the lost index referred to
         elif fault == "open_while_redis_down":
             self.server.stop(kill=True)
@@ -226,7 +251,7 @@ class Soak:
         from carnator_engine.store import CarnatorStore
         from store import foreign_files_touched, plant_foreign_files
         CarnatorStore(self.server.url, self.args.limit_mb << 20, blob_dir=self.blob_dir).close()   # marks, binds
-        planted = plant_foreign_files(self.blob_dir)
+        planted = self.planted = plant_foreign_files(self.blob_dir)
         for slot in range(self.args.workers):
             self.spawn(slot)
         self.started = time.time()
@@ -266,6 +291,35 @@ class Soak:
                         continue   # a line cut by SIGKILL
         return events
 
+    def blob_files(self) -> list:
+        from carnator_engine.store.backends.blob_folder import BLOB_NAME
+        return [n for n in os.listdir(self.blob_dir) if BLOB_NAME.fullmatch(n) and n not in self.planted]
+
+    def _records(self) -> set:
+        import redis
+        client = redis.Redis.from_url(self.server.url)
+        return {k.decode()[len("carnator:n:"):] for k in client.scan_iter(match="carnator:n:*", count=1000)}
+
+    def unrecorded_files(self) -> list:
+        """Blob files Redis holds no record of. Records are read before and after the listing: a record is made
+        before its file and dropped after it, so a file listed in between is recorded in one of the two reads."""
+        first = self._records()
+        listed = self.blob_files()
+        return sorted(set(listed) - first - self._records())
+
+    def uncounted_files(self) -> list:
+        """With the workers stopped: records that are neither a live entry's nor listed as released or in flight."""
+        import redis
+        client = redis.Redis.from_url(self.server.url)
+        listed = {n.decode() for key in ("carnator:gc", "carnator:w") for n in client.zrange(key, 0, -1)}
+        uncounted = []
+        for name in self._records() - listed:
+            record = client.get(f"carnator:n:{name}")
+            entry = record.decode().split()[1] if record else ""
+            if client.get(f"carnator:f:{entry}") != name.encode() or not client.exists(f"carnator:m:{entry}"):
+                uncounted.append(name)
+        return sorted(uncounted)
+
     def audit(self) -> tuple:
         """(lost ids, present count, torn count) now: every entry acknowledged so far is present, or was deleted or
         evicted by a worker (removals logged while the store is listed count too), and every present one reads
@@ -278,6 +332,8 @@ class Soak:
         acked = {e["id"] for e in before if e["event"] == "ack" and begun.get(e["id"], 0) > since}
         store = CarnatorStore(self.server.url, 1 << 40, blob_dir=self.blob_dir)
         present = {r.entry_id: r for r in store.records(include_corrupt=True)}
+        if self.stop.is_set():   # the workers stopped: nothing changes the total while it is compared
+            self.drift.append(abs(store._backend.total_bytes() - sum(r.size_bytes for r in present.values())))
         torn = 0
         for record in present.values():
             try:
@@ -287,12 +343,14 @@ class Soak:
                 if store._backend.meta(record.entry_id) is not None:   # not evicted meanwhile: damaged
                     torn += 1
         store.close()
-        removed = {e["id"] for e in self.events() if e["event"] in ("evict", "delete")}
+        removed = {e["id"] for e in self.events() if e["event"] in ("evicting", "delete")}
         self.checked += len(acked)
         return sorted(acked - set(present) - removed), len(present), torn
 
     def check(self, planted: dict, foreign_files_touched) -> dict:
         events = self.events()
+        stranded = sorted(set(self.unrecorded_files()) - self.files_at_flush)
+        uncounted = self.uncounted_files()
         lost, present, torn = self.audit()
         lost += self.lost_at_flush
         acks = {e["id"]: e for e in events if e["event"] == "ack"}
@@ -309,7 +367,10 @@ class Soak:
             "faults_seen_by_workers": sum(e["event"] == "fault" for e in events),
             # several workers may pick the same victim at once: each entry counts once
             "evictions": len({e["id"] for e in evictions}), "deletes": sum(e["event"] == "delete" for e in events),
-            "evicted_live_by_bookkeeping": len({e["id"] for e in evictions if e["live"] <= e["limit"]}),
+            "evicted_live_by_bookkeeping": len({e["id"] for e in evictions if (e["total"] or 0) <= e["limit"]}),
+            "total_drift_bytes": max(self.drift, default=0),
+            "stranded_files_before_the_flushall": len(self.stranded_before_flush),
+            "stranded_files_at_end": len(stranded), "uncounted_files_at_end": len(uncounted),
             "foreign_files": len(planted), "foreign_touched": foreign_files_touched(self.blob_dir, planted),
             "second_farm_accepted": self.second_farm_accepted,
             "opens": len(opens), "open_failures": sum(e["event"] == "open_failed" for e in opens),
@@ -351,7 +412,10 @@ def main(argv=None) -> int:
         soak.close()
         shutil.rmtree(root, ignore_errors=True)
     goals = {"lost": result["lost"] == 0, "torn": result["torn"] == 0, "wrong_served": result["wrong_served"] == 0,
-             "evicted_live_by_bookkeeping": result["evicted_live_by_bookkeeping"] == 0,
+             "evicted_live_by_bookkeeping": result["evicted_live_by_bookkeeping"] == 0 and
+                 result["total_drift_bytes"] == 0,
+             "no_stranded_files": result["stranded_files_before_the_flushall"] == 0 and
+                 result["stranded_files_at_end"] == 0 and result["uncounted_files_at_end"] == 0,
              "foreign_touched": not result["foreign_touched"], "second_farm_refused": not result["second_farm_accepted"],
              "no_open_failed": result["open_failures"] == 0,
              # the limit plus one entry per worker (its write lands before its eviction makes room) and per worker
@@ -362,7 +426,9 @@ def main(argv=None) -> int:
     print(f"{args.workers} workers, {args.minutes} min, limit {args.limit_mb} MiB, faults x{args.rounds}: "
           f"{', '.join(FAULTS)}")
     for key in ("acknowledged", "checked_for_loss", "lost", "torn", "reads", "wrong_served",
-                "detected_damage", "evictions", "evicted_live_by_bookkeeping", "foreign_touched",
+                "detected_damage", "evictions", "evicted_live_by_bookkeeping", "total_drift_bytes",
+                "stranded_files_before_the_flushall", "stranded_files_at_end", "uncounted_files_at_end",
+                "foreign_touched",
                 "second_farm_accepted", "opens", "degraded_opens", "open_failures", "workers_at_most", "writes_killed",
                 "peak_folder_bytes_before_a_flushall", "limit_bytes", "largest_entry_bytes", "peak_folder_bytes",
                 "stranded_by_flushall_bytes"):

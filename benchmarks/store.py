@@ -163,19 +163,20 @@ def fill(location: str, signatures: Signatures, start: int, stop: int, batch: in
     """Adds entries start..stop-1 to the store at `location` the fast way: each batch's metadata, signatures and
     blobs encoded as CarnatorStore.put encodes them (vectors in one batched projection), then written in one
     transaction (disk: one SQLite transaction, blob files without fsync; Redis: one pipeline; farm: one pipeline
-    and the one blob file every entry's equal tiny blob names). Only the fill takes this path; every measured put
+    and one blob file shared by every entry's equal tiny blob, in the layout of farms made before per-write files). Only the fill takes this path; every measured put
     below goes through CarnatorStore.put."""
     from carnator_engine.store.backends.disk import DiskBackend
     from carnator_engine.store.store import EntryRecord, _encode, _sha256
     from carnator_engine.store.vectors import compact_vectors
     from safetensors.torch import save
     from carnator_engine.store.backends.farm import FarmBackend
+    from carnator_engine.store.owned_files import write_whole
     store = CarnatorStore(location, 1 << 50, blob_dir=blob_dir)
     backend = store._backend
     blob = save({f"checkpoint.{s}": t for s, t in TINY.checkpoints.items()})
-    if isinstance(backend, FarmBackend):
-        blob_name = hashlib.sha256(blob).hexdigest() + ".blob"
-        backend._folder.write(blob_name, blob)
+    if isinstance(backend, FarmBackend):   # one file shared by every entry, as farms made before per-write files
+        blob_name = hashlib.sha256(blob).hexdigest() + ".blob"   # named theirs (still read as such)
+        write_whole(backend._folder.path(blob_name), blob, backend._folder.identity)
     started = time.perf_counter()
     for first in range(start, stop, batch):
         indices = range(first, min(stop, first + batch))
@@ -201,7 +202,7 @@ def fill(location: str, signatures: Signatures, start: int, stop: int, batch: in
         elif isinstance(backend, FarmBackend):
             pipe = backend._client.pipeline(transaction=False)
             for entry, meta, data in rows:
-                backend._redis.queue_put(pipe, entry, meta, {"sig": data, "thumb": b""})
+                backend._redis.queue_put(pipe, entry, meta, {"sig": data, "thumb": b""}, len(data) + len(blob))
                 pipe.set(backend._name_key(entry), blob_name)
                 pipe.sadd(backend._refs_key(blob_name), entry)
             pipe.execute()
@@ -688,9 +689,11 @@ def verify(location: tuple, rows: list, steps: int) -> dict:
             "served_but_not_stored_or_counted": len(faulted) - len(degraded)}
 
 
-# Files a user could keep beside the blobs, named close to Carnator's own names (<64 hex>.blob, its .tmp/.gc).
+# Files a user could keep beside the blobs, named like Carnator's own (<32 hex>.blob) or its older names (<64
+# hex>.blob, its .tmp/.gc) or close to them.
 FOREIGN = ["notes.txt", "a" * 64 + ".blob.bak", "b" * 63 + ".blob", "C" * 64 + ".blob", "e" * 64 + ".blob.tmp",
-           "f" * 64 + ".blob.1234abcd.tmp.keep", "d" * 64 + ".blob/inside.txt"]
+           "f" * 64 + ".blob.1234abcd.tmp.keep", "d" * 64 + ".blob/inside.txt", "9" * 32 + ".blob",
+           "8" * 64 + ".blob"]
 FOREIGN_AGE_S = 7 * 24 * 3600   # a week old: past every grace period
 
 
@@ -723,7 +726,7 @@ def foreign_files_touched(blob_dir: str, planted: dict) -> list:
 
 
 def blob_files(blob_dir: str) -> dict:
-    names = [n for n in os.listdir(blob_dir) if n.endswith(".blob") and len(n) == 69]
+    names = [n for n in os.listdir(blob_dir) if n.endswith(".blob") and len(n) == 37 and n not in FOREIGN]
     return {"blob_files": len(names), "blob_mb": round(sum(os.path.getsize(os.path.join(blob_dir, n))
                                                            for n in names) / 2**20, 1)}
 

@@ -335,6 +335,18 @@ def run_clear(args) -> int:
     return 0
 
 
+def run_reattach(args) -> int:
+    from .store.backends import is_redis_url
+    from .store.backends.farm import FarmBackend
+    if not is_redis_url(args.cache):
+        raise ValueError(f"--cache {args.cache[:200]!r} is not a redis:// URL: give the farm's Redis")
+    backend = FarmBackend(args.cache.strip(), args.blob_dir, reattach=True)
+    print(f"{backend.location} is farm {backend.identity[:8]}... again (the identity its folder's marker names); "
+          "its workers may open it")
+    backend.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m carnator_engine", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -369,7 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "status 1 if any)")
     clear = commands.add_parser("clear", help="delete every entry of a cache (asks first, unless --yes)")
     clear.add_argument("--yes", action="store_true", help="delete without asking")
-    for sub in (stats, clear):
+    reattach = commands.add_parser("reattach", help="after a farm's Redis lost its data (no appendonly): give the "
+                                                    "emptied Redis the identity its blob folder's marker names, so "
+                                                    "its workers may open it again (only then: another server at "
+                                                    "the same address is refused)")
+    reattach.add_argument("--blob-dir", required=True, help="the farm's shared folder (absolute path)")
+    for sub in (stats, clear, reattach):
         sub.add_argument("--cache", required=True, help="the cache's directory, or redis://[:password@]host:port/db "
                                                         "(the password may come from CARNATOR_REDIS_PASSWORD)")
     for sub in (demo, stats, clear):
@@ -396,7 +413,8 @@ def main(argv=None) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()   # where Python takes signals
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
-        status = {"demo": run_demo, "stats": run_stats, "clear": run_clear}[args.command](args)
+        status = {"demo": run_demo, "stats": run_stats, "clear": run_clear,
+                  "reattach": run_reattach}[args.command](args)
         sys.stdout.flush()      # a reader that went away is found here, not in Python's flush at exit
         return status
     except (ValueError, RuntimeError) as error:

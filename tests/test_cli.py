@@ -64,7 +64,7 @@ def test_clear_with_yes_deletes_without_asking(filled, monkeypatch, capsys):
 def test_every_flag_has_help_and_the_default_size_limit_is_the_engines():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(commands.choices) == {"demo", "stats", "clear"}
+    assert set(commands.choices) == {"demo", "stats", "clear", "reattach"}
     for name, sub in commands.choices.items():
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction):

@@ -1,7 +1,7 @@
-"""The farm layout (backends/farm.py) on a real Redis and a real folder: trajectories in the folder under their
-content hash and none in Redis, the store bound to its layout, a damaged blob reported and the request generated
-in full, garbage collection that waits for references and grace periods, foreign files never touched, a full
-folder that costs a request its write-back, never the request."""
+"""The farm layout (backends/farm.py) on a real Redis and a real folder: trajectories in the folder, a file of its
+own per write, none in Redis, the store bound to its layout, a damaged blob reported and the request generated
+in full, garbage collection that waits for grace periods and never costs another entry its file, foreign files
+never touched, a full folder that costs a request its write-back, never the request."""
 import errno
 import hashlib
 import os
@@ -47,16 +47,26 @@ def _blob_files(blobs):
     return sorted(n for n in os.listdir(blobs) if n.endswith(".blob"))
 
 
-def test_trajectories_live_in_the_folder_under_their_hash_and_redis_holds_none(farm_store, redis_server, blobs):
+def _record(admin, name: str) -> list:
+    """The farm's record of blob file `name`: [nonce, entry id, bytes, ...]."""
+    return admin.get(f"carnator:n:{name}").decode().split()
+
+
+def test_trajectories_live_in_the_folder_a_file_per_write_and_redis_holds_none(farm_store, redis_server, blobs):
     import redis
+    admin = redis.Redis.from_url(redis_server.url)
     entry = _put(farm_store, 1, elems=1 << 19)          # a 1 MB trajectory
     record = farm_store.record(entry)
-    assert _blob_files(blobs) == [record.blob_sha256 + ".blob"]
-    with open(os.path.join(blobs, record.blob_sha256 + ".blob"), "rb") as handle:
+    [name] = _blob_files(blobs)
+    assert len(name) == 32 + len(".blob") and admin.get(f"carnator:f:{entry}").decode() == name
+    with open(os.path.join(blobs, name), "rb") as handle:
         data = handle.read()
-    assert data.startswith(header(farm_store._backend._folder.identity))   # the content proves whose it is
+    nonce, owner_entry, size = _record(admin, name)
+    assert owner_entry == entry and int(size) == len(data)
+    assert data.startswith(header(nonce)) and nonce != farm_store._backend._folder.identity   # a secret per file
     assert hashlib.sha256(data[HEADER_BYTES:]).hexdigest() == record.blob_sha256
-    admin = redis.Redis.from_url(redis_server.url)
+    twin = _put(farm_store, 1, elems=1 << 19)           # the same bytes: a file of its own all the same
+    assert len(_blob_files(blobs)) == 2 and admin.get(f"carnator:f:{twin}").decode() != name
     assert admin.keys("carnator:b:*") == []
     assert sum(admin.memory_usage(k) or 0 for k in admin.keys("carnator:*")) < 200_000
     other = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)   # a second worker
@@ -116,78 +126,131 @@ def test_a_damaged_blob_is_reported_and_the_request_is_generated_in_full(redis_s
     store.close()
 
 
-def test_a_released_blob_waits_for_its_grace_period_and_a_shared_one_stays(farm_store, blobs, monkeypatch):
+def test_a_released_blob_waits_for_its_grace_period(farm_store, blobs, monkeypatch):
     first = _put(farm_store, 1)
     record = farm_store.record(first)
-    twin = _put(farm_store, 1)                                      # the same trajectory: the same file
-    assert len(_blob_files(blobs)) == 1
+    twin = _put(farm_store, 1)                                      # the same trajectory: another file
     assert farm_store.delete(first)
     farm_store._backend.collect()
-    assert len(_blob_files(blobs)) == 1                              # still referenced by the twin
-    assert farm_store.delete(twin)
+    assert len(_blob_files(blobs)) == 2                              # in its grace period
     assert farm_store.trajectory(record).checkpoints[4][0, 0] == 1.0  # a reader in flight still reads it whole
     monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
     farm_store._backend.collect()
-    assert _blob_files(blobs) == []
+    assert len(_blob_files(blobs)) == 1
+    assert farm_store.trajectory(farm_store.record(twin)).checkpoints[4][0, 0] == 1.0
 
 
-def test_a_blob_released_and_written_again_is_not_collected(farm_store, blobs, monkeypatch):
-    monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
-    gone = _put(farm_store, 2)
-    farm_store.delete(gone)                                         # collected at once (grace 0)
-    assert _blob_files(blobs) == []
-    monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 3600)
-    kept = _put(farm_store, 3)
-    farm_store.delete(_put(farm_store, 3))                          # one of two references released
-    monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
-    farm_store._backend.collect()
-    assert farm_store.trajectory(farm_store.record(kept)).checkpoints[4][0, 0] == 3.0
+def _paused_collector(url: str, blobs: str, paused, resume) -> int:
+    """A worker whose collection stops between its decision and its unlink (a VM pause, a hung network unlink)
+    until `resume`; the bytes it freed."""
+    from carnator_engine.store.backends import blob_folder
+    real_free = blob_folder.BlobFolder.free
+
+    def free(self, name, nonce):
+        paused.set()
+        assert resume.wait(120)
+        return real_free(self, name, nonce)
+    blob_folder.BlobFolder.free = free
+    farm.BLOB_GRACE_SECONDS = 0
+    store = CarnatorStore(url, 64 << 20, blob_dir=blobs)               # its open collects
+    freed = store.orphan_bytes_reclaimed + store._backend.collect()[1]
+    store.close()
+    return freed
 
 
-def test_a_writer_waits_for_a_collectors_tombstone_then_writes_the_file_again(farm_store, blobs, redis_server):
-    import redis
-    entry = _put(farm_store, 4)
-    name = farm_store.record(entry).blob_sha256 + ".blob"
-    farm_store.delete(entry)
-    admin = redis.Redis.from_url(redis_server.url)
-    admin.set(f"carnator:x:{name}", "1", px=300)                   # a collector deleting this very blob
-    os.remove(os.path.join(blobs, name))
-    started = time.monotonic()
-    again = _put(farm_store, 4)
-    assert time.monotonic() - started >= 0.2
-    assert farm_store.trajectory(farm_store.record(again)).checkpoints[4][0, 0] == 4.0
+def test_a_collector_paused_before_its_unlink_costs_no_newer_entry_its_file(redis_server, blobs):
+    import multiprocessing
+    fork = multiprocessing.get_context("fork")
+    writer = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    gone = _put(writer, 2)
+    writer.delete(gone)                                             # released
+    paused, resume, answers = fork.Event(), fork.Event(), fork.Queue()
+    collector = fork.Process(target=lambda: (torch.set_num_threads(1), answers.put(
+        _paused_collector(redis_server.url, blobs, paused, resume))))
+    collector.start()
+    assert paused.wait(120)                                         # it decided to delete the released file ...
+    again = _put(writer, 2)                                         # ... and the same content is stored again
+    resume.set()
+    assert answers.get(timeout=120) > 0
+    collector.join(timeout=60)
+    assert writer.trajectory(writer.record(again)).checkpoints[4][0, 0] == 2.0
+    assert writer.drain_problems() == []
+    writer.close()
 
 
 def test_killed_writes_are_reclaimed_and_foreign_files_never_touched(redis_server, blobs):
     import redis
     store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
     kept = _put(store, 5)
-    mine = header(store._backend._folder.identity)
+    marker_header = header(store._backend._folder.identity)         # anyone can copy it from the marker
     store.close()
-    orphan, young = "a" * 64 + ".blob", "b" * 64 + ".blob"          # killed writers' files: old, and in flight
-    temporary = "a" * 64 + ".blob.0123abcd.tmp"
+    admin = redis.Redis.from_url(redis_server.url)
+    orphan, young = "a" * 32 + ".blob", "b" * 32 + ".blob"          # killed writers' files: old, and in flight
+    replaced, copied = "c" * 32 + ".blob", "d" * 32 + ".blob"       # a user's file in a registered file's place,
+    legacy, legacy_temporary = "e" * 64 + ".blob", "e" * 64 + ".blob.0123abcd.tmp"   # and one with the marker's
     foreign = {"notes.txt": b"mine", "d" * 63 + ".blob": b"not ours", "e" * 64 + ".blob.txt": b"mine too",
-               "9" * 64 + ".blob": b"named like ours, never written by it"}
-    for name, data in {orphan: mine + b"x" * 1000, young: mine + b"y" * 2000, temporary: mine + b"z" * 10,
-                       **foreign}.items():
+               "9" * 32 + ".blob": b"named like ours, never written by it", replaced: b"the user's own bytes",
+               copied: marker_header + b"a header copied from the marker"}
+    files = {orphan: header("1" * 32) + b"x" * 1000, young: header("2" * 32) + b"y" * 2000,
+             legacy: marker_header + b"z" * 10, legacy_temporary: marker_header + b"t", **foreign}
+    for name, data in files.items():
         with open(os.path.join(blobs, name), "wb") as handle:
             handle.write(data)
-    os.mkdir(os.path.join(blobs, "f" * 64 + ".blob"))               # a folder under a blob's name
-    os.symlink("/etc/hostname", os.path.join(blobs, "1" * 64 + ".blob"))
-    for name in [orphan, temporary, "f" * 64 + ".blob", *foreign]:
+    os.mkdir(os.path.join(blobs, "f" * 32 + ".blob"))               # a folder under a blob's name
+    os.symlink("/etc/hostname", os.path.join(blobs, "8" * 32 + ".blob"))
+    for name in [orphan, legacy, legacy_temporary, "f" * 32 + ".blob", *foreign]:
         os.utime(os.path.join(blobs, name), (OLD, OLD))
-    admin = redis.Redis.from_url(redis_server.url)                  # the writes their writers registered
-    admin.zadd("carnator:w", {orphan: OLD, young: time.time(), "f" * 64 + ".blob": OLD, "1" * 64 + ".blob": OLD})
+    # The writes their writers registered (each with its nonce), the worst case for every other name: registered
+    # as a killed write, but with another nonce, or none.
+    records = {orphan: "1" * 32, young: "2" * 32, replaced: "3" * 32, "f" * 32 + ".blob": "4" * 32,
+               "8" * 32 + ".blob": "5" * 32}
+    for name, nonce in records.items():
+        admin.set(f"carnator:n:{name}", f"{nonce} 0123456789abcdef {len(files.get(name, b''))}")
+    admin.zadd("carnator:w", {name: OLD for name in [*records, copied, legacy, "9" * 32 + ".blob"]})
+    admin.zadd("carnator:w", {young: time.time()})
     admin.hset("carnator:wb", mapping={orphan: 1047, young: 2047})
     reopened = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
     present = set(os.listdir(blobs))
-    assert orphan not in present and temporary not in present and young in present
-    assert {*foreign, "f" * 64 + ".blob", "1" * 64 + ".blob", "carnator-store.json"} <= present
+    assert {orphan, legacy, legacy_temporary} & present == set() and young in present
+    assert {*foreign, "f" * 32 + ".blob", "8" * 32 + ".blob", "carnator-store.json"} <= present
     for name, data in foreign.items():
         assert open(os.path.join(blobs, name), "rb").read() == data
     assert reopened.stats()["overhead_bytes"] == 2047               # the write in flight counts in the size limit
     assert reopened.trajectory(reopened.record(kept)).checkpoints[4][0, 0] == 5.0
+    assert admin.get(f"carnator:n:{orphan}") is None and admin.get(f"carnator:n:{young}") is not None
     reopened.close()
+
+
+def test_a_file_someone_put_at_a_new_blobs_name_is_never_overwritten(farm_store, blobs, monkeypatch):
+    import uuid
+    taken = "7" * 32
+    os.symlink("/etc/hostname", os.path.join(blobs, taken + ".blob"))   # a link, and a file, at the next names
+    with open(os.path.join(blobs, "6" * 32 + ".blob"), "wb") as handle:
+        handle.write(b"someone's")
+    names = iter([uuid.UUID(taken), uuid.UUID("1" * 32), uuid.UUID("6" * 32), uuid.UUID("2" * 32)])
+    real = uuid.uuid4
+    monkeypatch.setattr(farm.uuid, "uuid4", lambda: next(names, None) or real())
+    entry = _put(farm_store, 3)
+    assert farm_store.trajectory(farm_store.record(entry)).checkpoints[4][0, 0] == 3.0
+    assert os.readlink(os.path.join(blobs, taken + ".blob")) == "/etc/hostname"
+    assert open(os.path.join(blobs, "6" * 32 + ".blob"), "rb").read() == b"someone's"
+    assert open("/etc/hostname", "rb").read()[:len(HEADER_BYTES * b"x")] != header("1" * 32)
+
+
+def test_a_file_put_in_place_of_an_entrys_blob_is_never_deleted(farm_store, blobs, redis_server, monkeypatch):
+    import redis
+    admin = redis.Redis.from_url(redis_server.url)
+    entry = _put(farm_store, 4)
+    name = admin.get(f"carnator:f:{entry}").decode()
+    mine = farm_store._backend._folder.identity
+    path = os.path.join(blobs, name)
+    os.remove(path)
+    with open(path, "wb") as handle:                                # the user's file, header copied from the marker
+        handle.write(header(mine) + b"the user's own bytes")
+    monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
+    farm_store.delete(entry)
+    assert open(path, "rb").read() == header(mine) + b"the user's own bytes"
+    assert admin.get(f"carnator:n:{name}") is None                   # forgotten: no longer counted as ours
 
 
 def test_the_size_limit_counts_the_blobs(redis_server, blobs):
@@ -203,7 +266,7 @@ def test_a_full_folder_costs_the_write_back_never_the_request(farm_store, blobs,
     real_fsync = os.fsync
 
     def full(descriptor):
-        if os.path.basename(os.readlink(f"/proc/self/fd/{descriptor}")).endswith(".tmp"):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{descriptor}")).endswith(".blob"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(descriptor)
     monkeypatch.setattr(blob_folder.os, "fsync", full)

@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -28,6 +29,7 @@ from carnator_engine.store.owned_files import header
 from test_farm_backend import _put
 
 FORK = multiprocessing.get_context("fork")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = 600_000                      # float16 elements: a 1.2 MB trajectory
 OLD = time.time() - 7 * 24 * 3600    # a week ago: past every grace period
 
@@ -90,8 +92,8 @@ def test_a_second_farm_on_the_same_folder_is_refused_and_touches_nothing(redis_s
     entries = [_put(first, seed) for seed in range(4)]
     before = {n: os.path.getmtime(os.path.join(blobs, n)) for n in os.listdir(blobs)}
     other_db = redis_server.url[:-1] + "1"                                  # an empty database of the server
-    with pytest.raises(StoreError, match="belongs to the farm whose Redis is .*give each farm a folder of its own") \
-            as caught:
+    with pytest.raises(StoreError, match="belongs to the farm .* holds no Carnator store.*Give each farm a folder of "
+                                         "its own") as caught:
         CarnatorStore(other_db, 64 << 20, blob_dir=blobs)
     assert "\n" not in str(caught.value)
     redis.Redis.from_url(redis_server.url[:-1] + "2").set("carnator:store", "f" * 32)   # another farm's Redis
@@ -196,7 +198,32 @@ def test_a_full_folder_gets_the_space_of_released_blobs_back_at_once(redis_serve
             subprocess.run(["umount", str(blobs)], check=True)
 
 
-def test_redis_losing_its_data_locks_no_worker_out_and_costs_no_file(redis_server, tmp_path, monkeypatch):
+def test_another_server_at_the_same_address_is_refused_and_touches_nothing(redis_server, tmp_path):
+    from redis_server import RedisServer
+    blobs = str(tmp_path / "blobs")
+    first = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    entries = [_put(first, seed) for seed in range(6)]
+    first.close()
+    before = {n: open(os.path.join(blobs, n), "rb").read() for n in os.listdir(blobs)}
+    redis_server.stop()                                                     # another host's own Redis, which
+    other = RedisServer(str(tmp_path / "other-redis"), appendonly=True)     # reads redis://127.0.0.1:PORT/0 too
+    other.port = redis_server.port
+    other.start()
+    try:
+        for _ in range(2):                                                  # refused, every time
+            with pytest.raises(StoreError, match="holds no Carnator store: another server"):
+                CarnatorStore(other.url, 64 << 20, blob_dir=blobs)
+        assert {n: open(os.path.join(blobs, n), "rb").read() for n in os.listdir(blobs)} == before
+    finally:
+        other.stop()
+    redis_server.start()
+    back = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    for entry in entries:
+        assert back.trajectory(back.record(entry)).checkpoints
+    back.close()
+
+
+def test_redis_losing_its_data_locks_no_running_worker_out_and_costs_no_file(redis_server, tmp_path, monkeypatch):
     import redis
     blobs = str(tmp_path / "blobs")
     running = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
@@ -218,7 +245,12 @@ def test_redis_losing_its_data_locks_no_worker_out_and_costs_no_file(redis_serve
         if name.startswith("appendonly"):
             subprocess.run(["rm", "-rf", os.path.join(redis_server.directory, name)], check=True)
     redis_server.start()
-    fresh = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)       # takes the farm's identity back
+    with pytest.raises(StoreError, match="after a data loss, run once: python -m carnator_engine reattach"):
+        CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)          # no guess from the URL's text
+    done = subprocess.run([sys.executable, "-m", "carnator_engine", "reattach", "--cache", redis_server.url,
+                           "--blob-dir", blobs], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    fresh = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)       # the farm's identity, on your word
     assert fresh._backend.identity == running._backend.identity
     _put(fresh, 8)
     assert files_before <= set(os.listdir(blobs))                           # not one of the farm's files deleted
@@ -301,14 +333,11 @@ def test_clear_racing_a_writer_leaves_nothing_unreachable(redis_server, tmp_path
     if layout == "farm":
         named = {k.decode().split(":")[2] for k in admin.keys("carnator:f:*") if admin.ttl(k) == -1}
         assert named <= ids
-        referring = set()
-        for key in admin.keys("carnator:r:*"):
-            members = {m.decode() for m in admin.smembers(key)}
-            assert members <= ids
-            referring.add(key.decode().split(":")[2])
+        referring = {admin.get(f"carnator:f:{entry}").decode() for entry in ids}
         waiting = {n.decode() for n in admin.zrange("carnator:gc", 0, -1)}
         files = {n for n in os.listdir(blobs) if n.endswith(".blob")}
         assert files <= referring | waiting                                 # every file referenced or collectable
+        assert all(admin.exists(f"carnator:n:{name}") for name in files)    # and recorded as the farm's
     clearing.close()
 
 

@@ -15,11 +15,11 @@ def _signature(seed=0):
                           attention=torch.softmax(torch.randn(3, 4, 4, generator=g), -1))
 
 
-def _put(store, seed=0, checkpoint_elems=1000, prompt="a red circle"):
+def _put(store, seed=0, checkpoint_elems=1000, prompt="a red circle", request_key=""):
     latent = torch.randn(1, 1, 1, 1, checkpoint_elems, generator=torch.Generator().manual_seed(seed)).half()
     payload = TrajectoryPayload({4: latent, 6: latent * 2}, {"0": torch.eye(3, dtype=torch.bool)})
     return store.put(bucket="b", prompt=prompt, seed=seed, steps=10, probe_steps=2, signature=_signature(seed),
-                     payload=payload, latent_shape=latent.shape, thumbnail=b"png")
+                     payload=payload, latent_shape=latent.shape, thumbnail=b"png", request_key=request_key)
 
 
 def test_round_trip_and_restart(store, tmp_path):
@@ -140,6 +140,25 @@ def test_damaged_metadata_is_reported_and_removed_not_fatal(location):
     with pytest.raises(CorruptEntryError, match="metadata does not parse"):
         store.record(good)
     assert good not in [r.entry_id for r in store.records()] and store.stats()["entries"] == 1
+    store.close(), reopened.close()
+
+
+def test_a_flipped_bit_or_an_edited_field_in_metadata_is_caught_never_served(location):
+    store = CarnatorStore(location, 64 << 20)
+    first, other = _put(store, 0, request_key="request A"), _put(store, 1, request_key="request B")
+    meta = get_raw(store, first, "meta")
+    flipped = meta.replace(b'"seed": 0,', b'"seed": 1,')             # one bit: "0" is 0x30, "1" 0x31
+    assert flipped != meta and len(flipped) == len(meta)
+    set_raw(store, first, "meta", flipped)
+    with pytest.raises(CorruptEntryError, match="checksum"):
+        store.record(first)
+    edited = get_raw(store, other, "meta").replace(b'"request_key": "request B"', b'"request_key": "request A"')
+    set_raw(store, other, "meta", edited)                            # B's result now claims to answer request A
+    reopened = CarnatorStore(location, 64 << 20)                     # an index built from the edited metadata
+    assert reopened.exact_repeat("b", "request A") is None
+    assert store.exact_repeat("b", "request B") is None              # an index from before: the entry decides
+    assert any(other in p and "checksum" in p for p in reopened.drain_problems() + store.drain_problems())
+    assert reopened.stats()["entries"] == 0
     store.close(), reopened.close()
 
 

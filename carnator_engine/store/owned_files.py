@@ -1,13 +1,18 @@
 """The files Carnator writes beside other people's files carry the proof that they are Carnator's: their first bytes
-name the store that wrote them. A file name is no proof (anyone may name a file `<64 hex>.blob`), so a file is
-deleted only when its content proves it is ours (`owner`), whatever its name and age.
+(the header) name a secret that only the store's own records hold. A file name is no proof (anyone may name a file
+`<32 hex>.blob`), and neither is a value anyone can read in the folder (the marker's identity, which older files
+carry): a file is deleted only when its header holds the per-file nonce the store recorded for that very file
+before writing it (`remove_own`), whatever its name and age. A file copied over another keeps its own nonce, so
+it is never taken for the one it replaced.
 
-A file is written whole or not at all: a temporary file `<final name>.<8 hex>.tmp` (which carries the header from
-its first write, so even an interrupted one is provably ours), fsynced, renamed into place, its folder fsynced.
+New files are created with O_EXCL (`create_new`): whatever sits at the name (someone's file, a link, a folder) is
+never overwritten or followed. `write_whole` (a temporary, fsynced, renamed into place) replaces a file in place,
+for files whose name is fixed (the index snapshot): the caller checks first that what it replaces is its own.
 """
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from typing import Optional
 
@@ -42,11 +47,77 @@ def owner(path: str) -> Optional[str]:
     return None
 
 
-def write_whole(final: str, data: bytes, identity: str = "", shared_name: bool = False) -> None:
-    """`data` at `final`, after the header of store `identity` (none when empty), whole or not at all. A failure
-    removes what it wrote; a `shared_name` (the farm's content-hash names) only the temporary: the final name may
-    be another entry's file of the same bytes."""
+def _sync_folder(folder: str) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _holds(path: str, secret: str):
+    """(the file's identity (st_dev, st_ino), its size) when the regular file at `path` starts with the header of
+    `secret`; None for anything else (no file, a link, a folder, a FIFO, someone else's bytes)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode) or os.read(descriptor, HEADER_BYTES) != header(secret):
+            return None
+        return (found.st_dev, found.st_ino), found.st_size
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
+
+
+def remove_own(path: str, secret: str) -> Optional[int]:
+    """Deletes the file at `path` when its header holds `secret` (and it is still that same file when unlinked):
+    the bytes freed; 0 when nothing is at `path`; None when something else is there (left alone). OSError when
+    the unlink itself fails (a read-only folder): the caller keeps its records of the file."""
+    if not os.path.lexists(path):
+        return 0
+    held = _holds(path, secret)
+    if held is None:
+        return None
+    identity, size = held
+    now = os.lstat(path)
+    if (now.st_dev, now.st_ino) != identity:
+        return None            # replaced since it was read: not the file that proved itself
+    os.remove(path)
+    return size
+
+
+def create_new(final: str, data: bytes, secret: str) -> None:
+    """`data` after the header of `secret`, in a file this call creates at `final` (O_EXCL, no link followed:
+    FileExistsError where anything is at that name, which is left untouched), fsynced with its folder. A failure
+    removes the file it created, and only that one."""
+    descriptor = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    made = os.fstat(descriptor)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(header(secret))
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _sync_folder(os.path.dirname(final))
+    except BaseException:
+        try:
+            now = os.lstat(final)
+            if (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+                os.remove(final)
+        except OSError:
+            pass
+        raise
+
+
+def write_whole(final: str, data: bytes, identity: str = "") -> None:
+    """`data` at `final`, after the header of `identity` (none when empty), whole or not at all, replacing what is
+    there (the caller proved it its own). A failure removes what it wrote."""
     temporary = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+    written = [temporary]
     try:
         with open(temporary, "wb") as handle:
             if identity:
@@ -55,13 +126,10 @@ def write_whole(final: str, data: bytes, identity: str = "", shared_name: bool =
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, final)
-        descriptor = os.open(os.path.dirname(final), os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        written = [final]     # ours now; what stood there before is never removed by a failure
+        _sync_folder(os.path.dirname(final))
     except BaseException:
-        for path in (temporary,) if shared_name else (temporary, final):
+        for path in written:
             try:
                 os.remove(path)
             except OSError:

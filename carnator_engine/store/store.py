@@ -133,22 +133,40 @@ class TrajectoryPayload:
     final: Optional[torch.Tensor] = None
 
 
+# Metadata as stored: this line (format and the SHA-256 of the JSON that follows), then the JSON. A flipped bit
+# anywhere, or an edited field, fails the checksum: the entry is reported and removed, never served for another
+# request. Metadata from before the checksum (plain JSON, "{" first, which no single flipped bit of this prefix
+# gives) is read as it is, and checksummed at its next update.
+META_FORMAT = b"carnator-meta-2 "
+
+
 def _encode(record: EntryRecord, vector) -> bytes:
     value = asdict(record)
     value["vector"] = base64.b64encode(np.asarray(vector, dtype=np.float16).tobytes()).decode()
-    return json.dumps(value, allow_nan=False).encode()
+    body = json.dumps(value, allow_nan=False).encode()
+    return META_FORMAT + _sha256(body).encode() + b"\n" + body
 
 
-def _decode(data) -> tuple:
-    """(record, vector) from stored metadata; ValueError for anything that is not a whole, valid record."""
+def _decode(data, entry_id: str) -> tuple:
+    """(record, vector) from entry `entry_id`'s stored metadata; ValueError for anything that is not a whole,
+    valid record of that entry."""
+    data = bytes(data)
+    if data.startswith(META_FORMAT):
+        digest, _, data = data[len(META_FORMAT):].partition(b"\n")
+        if _sha256(data).encode() != digest:
+            raise ValueError("metadata does not match its checksum")
+    elif not data.startswith(b"{"):
+        raise ValueError("metadata does not parse (an unknown format)")
     try:
-        value = json.loads(bytes(data))
+        value = json.loads(data)
         vector = np.frombuffer(base64.b64decode(value.pop("vector")), dtype=np.float16)
         record = EntryRecord(**{k: v for k, v in value.items() if k in RECORD_FIELDS})
     except Exception as error:  # noqa: BLE001 - whatever the damage, the entry is unreadable
         raise ValueError(f"metadata does not parse ({type(error).__name__})") from None
     if vector.shape != (VECTOR_DIM,) or not np.isfinite(vector).all():
         raise ValueError("metadata holds no valid signature vector")
+    if record.entry_id != entry_id:
+        raise ValueError(f"metadata is entry {str(record.entry_id)[:40]!r}'s")
     return record, vector
 
 
@@ -314,7 +332,7 @@ class CarnatorStore:
             if data is None:
                 continue           # deleted or evicted (by another worker) since the listing began: gone, not corrupt
             try:
-                record, vector = _decode(data)
+                record, vector = _decode(data, entry_id)
             except ValueError as why:
                 unreadable.append((entry_id, str(why)))
                 continue
@@ -335,7 +353,7 @@ class CarnatorStore:
             self._forget(entry_id)
             return
         try:
-            record, vector = _decode(data)
+            record, vector = _decode(data, entry_id)
         except ValueError as why:
             self._unreadable(entry_id, str(why))
             return
@@ -453,7 +471,7 @@ class CarnatorStore:
     def _update(self, entry_id: str, change) -> None:
         def rewrite(data):
             try:
-                record, vector = _decode(data)
+                record, vector = _decode(data, entry_id)
             except ValueError:
                 return data  # left as it is: _apply reports and removes it
             change(record)
@@ -496,12 +514,19 @@ class CarnatorStore:
             excess = self._index.bytes + backend.overhead_bytes() - self.size_limit_bytes
             if excess > 0:
                 backend.compact(excess)
-            while self._index.bytes + backend.lasting_overhead_bytes() > self.size_limit_bytes:
+            while True:
+                budget = self.size_limit_bytes - backend.lasting_overhead_bytes()
+                if self._index.bytes <= budget:
+                    break
                 victim = self._index.queue.first(skip=keep)
                 if victim is None:
                     break
-                self.delete(victim)
-                evicted.append(victim)
+                outcome, _ = backend.evict(victim, budget)   # a shared store checks its own total, atomically
+                if outcome == "fits":
+                    break
+                self._forget(victim)
+                if outcome == "evicted":
+                    evicted.append(victim)
                 self._sync()   # another worker's evictions meanwhile count: evict only what is still needed
             excess = self._index.bytes + backend.overhead_bytes() - self.size_limit_bytes
             if evicted and excess > 0:
@@ -532,9 +557,11 @@ class CarnatorStore:
         if newest is None:
             return None
         try:
-            return self.record(newest)
+            record = self.record(newest)
         except StoreError:
             return None
+        # what the entry holds now, not what the index took in: its stored result answers this very request
+        return record if record.bucket == bucket and record.replays(request_key) else None
 
     def record(self, entry_id: str) -> EntryRecord:
         data = self._backend.meta(entry_id)
@@ -543,12 +570,11 @@ class CarnatorStore:
                 self._forget(entry_id)
             raise StoreError(f"no cache entry {entry_id!r} (deleted or evicted?): run the probe and lookup again")
         try:
-            return _decode(data)[0]
+            return _decode(data, entry_id)[0]
         except ValueError as why:
             with self._lock:
                 self._unreadable(entry_id, str(why))
-            raise CorruptEntryError(f"cache entry {entry_id} is corrupt: its metadata does not parse; it was "
-                                    "removed") from None
+            raise CorruptEntryError(f"cache entry {entry_id} is corrupt: {why}; it was removed") from None
 
     def signature(self, record: EntryRecord) -> EarlySignature:
         _refuse_corrupt(record)

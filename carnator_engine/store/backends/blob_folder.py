@@ -1,11 +1,15 @@
-"""The farm layout's shared folder of trajectory blobs (farm.py): one file per distinct blob, named by its content.
+"""The farm layout's shared folder of trajectory blobs (farm.py): one file per write, never shared by two entries.
 
-A blob is `<sha256 of its bytes>.blob`, written whole or not at all (owned_files.write_whole: a temporary file
-`<name>.<8 hex>.tmp`, fsynced, renamed into place), so a reader on any worker sees either no file or the whole one;
-the name is the checksum CarnatorStore verifies on every read, so a torn or damaged file is found and reported,
-never served. Every file starts with a header naming the folder's identity: that, not its name, is what lets a
-file be deleted (a file without it is deleted only when its bytes hash to its name: a blob written before the
-header existed). Two workers writing the same blob write the same bytes under the same name.
+A blob is `<32 random hex>.blob`, a name chosen for that one write, created with O_EXCL (owned_files.create_new:
+nothing at that name is ever overwritten or followed) and starting with a header that holds the write's nonce, a
+secret the farm's Redis records for that name before the file is written. A file is deleted only when its header
+holds the nonce recorded for it (`free`): not a file someone put in its place, nor one whose header was copied
+from the marker or from another blob. Readers only ever open names their entries committed, after the file was
+written whole and fsynced; the entry's checksum (CarnatorStore) finds a damaged file on every read.
+
+Farms made before this layout named blobs `<sha256 of the bytes>.blob` (64 hex), shared by equal entries, with the
+folder's identity in the header: those are still read, and deleted (`free_legacy`) only when their header names
+the folder or their bytes hash to their name, and no entry refers to them.
 
 The folder carries the store marker (marker.py), which names the one farm (its Redis store's identity) it belongs
 to: a second farm given the same folder is refused. The folder is marked only when its farm is created; a folder
@@ -19,11 +23,12 @@ import re
 
 from ..errors import StoreError, StoreUnavailable
 from ..marker import MARKER_FILE, add_to_marker, check_location, claim, read_marker
-from ..owned_files import owner, strip, write_whole
+from ..owned_files import create_new, owner, remove_own, strip
 from .disk import _advice
 
-BLOB_NAME = re.compile(r"[0-9a-f]{64}\.blob")
-BLOB_TEMPORARY = re.compile(r"[0-9a-f]{64}\.blob\.[0-9a-f]{8}\.tmp")
+BLOB_NAME = re.compile(r"[0-9a-f]{32}\.blob")
+LEGACY_NAME = re.compile(r"[0-9a-f]{64}\.blob")
+BLOB_TEMPORARY = re.compile(r"[0-9a-f]{64}\.blob\.[0-9a-f]{8}\.tmp")   # a legacy write's temporary file
 HASH_CHUNK = 1 << 20
 
 
@@ -78,23 +83,40 @@ class BlobFolder:
                              f"{_advice(error)}") from error
 
     def path(self, name: str) -> str:
-        if not BLOB_NAME.fullmatch(name):
+        if not (BLOB_NAME.fullmatch(name) or LEGACY_NAME.fullmatch(name)):
             raise StoreError(f"Carnator blob folder {self.location!r}: {name[:80]!r} is not a blob name")
         return os.path.join(self.location, name)
 
-    def write(self, name: str, data: bytes) -> None:
-        """Whole or not at all, header first; over an existing file of that name too (a damaged copy is replaced, a
-        reader of the old one keeps its open file); a failure removes only the temporary file. Never into a folder
-        without its marker (an empty mount point)."""
+    def create(self, name: str, nonce: str, data: bytes) -> bool:
+        """The blob in a new file `name`, header (`nonce`) first, fsynced; False (nothing touched) where anything
+        is at that name already. Never into a folder without its marker (an empty mount point). A failure
+        removes the file it created."""
         self.check_present()
-        self._guard("write a blob", lambda: write_whole(self.path(name), data, self.identity, shared_name=True))
+        path = self.path(name)
+        try:
+            self._guard("write a blob", lambda: create_new(path, data, nonce))
+        except StoreError as error:
+            if isinstance(error.__cause__, FileExistsError):
+                return False
+            raise
         try:   # unmounted meanwhile: the file went into the mount point, where no other worker sees it
-            written = os.stat(self.path(name)).st_dev == os.stat(os.path.join(self.location, MARKER_FILE)).st_dev
+            written = os.stat(path).st_dev == os.stat(os.path.join(self.location, MARKER_FILE)).st_dev
         except OSError:
             written = False
         if not written:
+            remove_own(path, nonce)
             raise StoreUnavailable(f"Carnator blob folder {self.location!r} was unmounted during a write (is the "
                                    "shared folder mounted?): the entry was not stored")
+        return True
+
+    def free(self, name: str, nonce: str):
+        """Deletes blob `name` when its header holds `nonce`: the bytes freed, 0 when it is not there, None when
+        something else is at that name (left alone). StoreError when the unlink fails (a read-only folder), or
+        when nothing proved the file gone or not ours but the folder's absence (unmounted: its marker gone)."""
+        freed = self._guard("delete a blob", lambda: remove_own(self.path(name), nonce))
+        if not freed:
+            self.check_present()
+        return freed
 
     def read(self, name: str):
         """The blob's bytes (its header taken off), or None when it is not there."""
@@ -115,11 +137,11 @@ class BlobFolder:
             return 0
 
     def _ours(self, path: str, name: str) -> bool:
-        """Whether the file's content proves this folder's farm wrote it: its header, or (a blob from before the
-        header) bytes that hash to its name."""
+        """Whether a legacy file's content proves this folder's farm wrote it: its header, or (a blob from before
+        the header) bytes that hash to its name."""
         if owner(path) == self.identity:
             return True
-        if not BLOB_NAME.fullmatch(name) or os.path.islink(path) or not os.path.isfile(path):
+        if not LEGACY_NAME.fullmatch(name) or os.path.islink(path) or not os.path.isfile(path):
             return False
         digest = hashlib.sha256()
         try:
@@ -130,10 +152,10 @@ class BlobFolder:
             return False
         return digest.hexdigest() + ".blob" == name
 
-    def remove(self, name: str) -> int:
-        """Deletes one of this farm's files (a blob or a temporary) when its content proves it is ours; returns
-        the bytes freed."""
-        if not (BLOB_NAME.fullmatch(name) or BLOB_TEMPORARY.fullmatch(name)):
+    def free_legacy(self, name: str) -> int:
+        """Deletes one of this farm's legacy files (a blob or a temporary) when its content proves it is ours;
+        returns the bytes freed."""
+        if not (LEGACY_NAME.fullmatch(name) or BLOB_TEMPORARY.fullmatch(name)):
             return 0
         path = os.path.join(self.location, name)
         try:
@@ -146,7 +168,7 @@ class BlobFolder:
             return 0
 
     def temporaries(self, name: str, older_than: float) -> list:
-        """The temporary files of writes of blob `name` last modified before `older_than`."""
+        """The temporary files of legacy writes of blob `name` last modified before `older_than`."""
         found = []
         for item in self._guard("list its files", lambda: list(os.scandir(self.location))):
             if item.name.startswith(name + ".") and BLOB_TEMPORARY.fullmatch(item.name):

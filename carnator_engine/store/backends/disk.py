@@ -203,6 +203,10 @@ class DiskBackend:
         self._keep_reserve()
         return existed
 
+    def evict(self, entry_id: str, budget: int) -> tuple:
+        """One process's store: the caller's index decides (`budget` unused)."""
+        return ("evicted" if self.remove(entry_id) else "gone"), None
+
     def _unlink(self, entry_id: str) -> None:
         """Removes an entry's blob file; anything else at its name (a folder someone put there) is left alone."""
         if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):

@@ -3,53 +3,60 @@ reads), and a folder on shared storage that every worker mounts holds the trajec
 attention connectivity: tens of MB each at Wan size), so Redis's memory grows by kilobytes per entry, not by the
 trajectory. Composes the Redis backend (redis_store.py) and a BlobFolder (blob_folder.py).
 
-Keys beside the Redis backend's: `f:<id>` the name of the entry's blob file (kept BLOB_GRACE_SECONDS after the
-entry's removal, for readers in flight), `r:<name>` the set of entries that refer to that file (equal blobs share
-one), `gc` the files that lost their last reference (name -> when) with `gcb` their bytes, `w` the files being
-written (name -> when the write began) with `wb` their bytes, and `x:<name>` a short-lived tombstone while a file
-is unlinked.
+Keys beside the Redis backend's: `n:<name>` the record of blob file `<name>` (the nonce its header holds, its
+entry, its bytes; " freeing" appended while it is deleted), from before the file is written until after it is
+deleted; `f:<id>` the name of the entry's file (kept BLOB_GRACE_SECONDS after the entry's removal, for readers in
+flight); `gc` the files released by their entry (name -> when) with `gcb` their bytes; `w` the files being written
+(name -> when the write began) with `wb` their bytes. Farms made before per-write names also have `r:<name>`, the
+entries sharing a legacy content-named file.
 
-One farm, one folder: the farm's identity is its Redis store's, and the folder's marker names it. A second farm
-given the folder is refused; a Redis that lost its data (FLUSHALL, a restart without its append-only file) takes
-the identity back from the folder's marker when it is reached at the URL the marker records. Redis remembers the
-folder's identity (redis_store.BLOB_FOLDER_KEY), so a worker that mounts another folder, or none, is refused, and
-a folder that lost its marker while the store runs (unmounted) makes reads fail as a fault, never as damage.
+One farm, one folder: the farm's identity lives in its Redis (`store`) and in the folder's marker (`farm`). A
+folder whose marker names a farm is opened only through a Redis that holds that identity: another farm's Redis, or
+an empty one (another server at the same address, or this farm's Redis after it lost its data), is refused, with
+nothing in the folder touched; after a data loss, `python -m carnator_engine reattach` gives the empty Redis the
+folder's identity back, once, on the operator's word. Redis remembers the folder's identity
+(redis_store.BLOB_FOLDER_KEY), so a worker that mounts another folder, or none, is refused, and a folder that lost
+its marker while the store runs (unmounted) makes reads fail as a fault, never as damage.
 
 What it promises, beside the backend contract (backends/__init__.py):
-- a blob file is written whole (temporary, fsync, rename) before the transaction that makes its entry visible,
-  and registered in `w` before it is written;
-- a file is deleted only when no entry refers to it, its content proves it is this farm's (blob_folder.py), and
-  Redis recorded why: released by its last entry (`gc`), or registered by a write that never committed (`w`, older
-  than ORPHAN_GRACE_SECONDS: a killed writer). A file this Redis never recorded (another farm's, one from before
-  a data loss, anyone's) is never deleted. The unlink runs under a tombstone that makes a concurrent writer of the
-  same blob wait and write it again;
+- every write has a file of its own (a random name, created with O_EXCL: nothing at that name is overwritten), so
+  no two entries share a file and deleting a file can only ever cost the entry that released it;
+- a blob file is written whole (fsynced) before the transaction that makes its entry visible, and its record is
+  in Redis before it is written;
+- an entry's file is released (listed in `gc`) in the same transaction that removes the entry, and a file is
+  deleted only when its entry is gone and its header holds the nonce its record holds (not a file someone put in
+  its place); its record is dropped only after the unlink, so a worker killed mid-delete, or a folder that refuses
+  the unlink, leaves it listed and counted for the next collection. A file this Redis holds no record of (another
+  farm's, one from before a data loss, anyone's) is never deleted;
 - a released file stays BLOB_GRACE_SECONDS for readers in flight, unless space is short: over the size limit, or
   a write failing with a full disk, released files go at once (a reader that loses its file generates in full);
 - the size limit counts the folder: entries through their sizes, and every worker reads the released files and
   the writes in flight from Redis (overhead_bytes). Those two never make a live entry leave
-  (lasting_overhead_bytes is 0): they leave, or become entries, by themselves.
+  (lasting_overhead_bytes is 0): they leave, or become entries, by themselves. Eviction is one transaction that
+  checks the farm's total (redis_store.TOTAL_KEY), so workers evicting at once never take the total below the
+  limit.
 """
 from __future__ import annotations
 
 import errno
-import hashlib
+import itertools
 import logging
 import time
 import uuid
 
 from ..errors import StoreError
 from ..owned_files import HEADER_BYTES
-from .blob_folder import BlobFolder
+from .blob_folder import BLOB_NAME, LEGACY_NAME, BlobFolder
 from .redis_store import BLOB_FOLDER_KEY, PREFIX, RedisBackend
 
 log = logging.getLogger("carnator.store")
 
 BLOB_GRACE_SECONDS = 60      # a released blob stays readable this long (a hit reads it within a second)
 ORPHAN_GRACE_SECONDS = 600   # a registered write that has not committed after this long was killed
-TOMBSTONE_MS = 30_000        # a collector that dies mid-delete holds up writers of that blob at most this long
 COLLECT_BATCH = 200
 GC_KEY, GC_BYTES = PREFIX + "gc", PREFIX + "gcb"
 WRITES_KEY, WRITE_BYTES = PREFIX + "w", PREFIX + "wb"
+RECORDS_LISTED = PREFIX + "listed"   # absent after a removal that could not list its file: relisted at open
 LOCATION_JOIN = " + "        # a farm's location: its Redis URL (no password), this, its blob folder
 
 
@@ -58,16 +65,27 @@ def _disk_full(error: BaseException) -> bool:
     return isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
+def _batches(items, size: int):
+    items = iter(items)
+    while True:
+        batch = list(itertools.islice(items, size))
+        if not batch:
+            return
+        yield batch
+
+
 class FarmBackend:
-    def __init__(self, url: str, blob_dir: str):
+    def __init__(self, url: str, blob_dir: str, reattach: bool = False):
+        """`reattach`: an empty Redis takes the identity of the farm the folder's marker names (after that farm's
+        Redis lost its data; the operator's word, never a guess from the URL)."""
         self._folder = BlobFolder(blob_dir)
         self._redis = RedisBackend(url, blob_folder=None)   # connects; the identity and binding follow
         self._client = self._redis._client
         self.blob_dir = self._folder.location
         self.location = f"{self._redis.location}{LOCATION_JOIN}{self.blob_dir}"
-        self.identity = self._redis.identity = self._establish()
+        self.identity = self._redis.identity = self._establish(reattach)
 
-    def _establish(self) -> str:
+    def _establish(self, reattach: bool) -> str:
         """The farm's identity, its folder claimed and bound (see the module's docstring)."""
         redis, location = self._redis, self._redis.location
         identity = redis.stored_identity()
@@ -75,17 +93,18 @@ class FarmBackend:
         if identity is None:
             marker = self._folder.marker()
             farm = marker.get("farm") if marker else None
-            if farm and marker.get("redis") != location:
-                raise StoreError(f"blob_dir {self.blob_dir!r} belongs to the farm whose Redis is "
-                                 f"{marker.get('redis')} (store {farm[:8]}...), and {location} holds no Carnator "
-                                 "store: give each farm a folder of its own (or, if that farm's Redis lost its data "
-                                 "and moved, open it once at its old URL)")
-            if farm:
-                log.warning("carnator: %s holds no Carnator data, but blob_dir %s is its farm's folder: Redis lost "
-                            "its data (run it with appendonly yes); the farm continues, the folder's files kept",
-                            location, self.blob_dir)
+            if farm and not reattach and redis.stored_identity() is None:   # (set meanwhile: a worker creating it)
+                raise StoreError(f"blob_dir {self.blob_dir!r} belongs to the farm {farm[:8]}... (made with Redis "
+                                 f"{marker.get('redis')}), and {location} holds no Carnator store: another server, "
+                                 "or that farm's Redis after it lost its data. Give each farm a folder of its own; "
+                                 "after a data loss, run once: python -m carnator_engine reattach --cache URL "
+                                 "--blob-dir FOLDER")
+            if reattach and not farm:
+                raise StoreError(f"blob_dir {self.blob_dir!r} names no farm: there is nothing to reattach")
             identity = redis.establish(farm or uuid.uuid4().hex)
             bound = redis.bound_folder()
+        elif reattach:
+            raise StoreError(f"Carnator cache {location!r} holds a store already: there is nothing to reattach")
         folder = self._folder.claim(identity, location, create=not bound)
         if bound and bound != folder:
             raise StoreError(f"Carnator cache {location!r} keeps its trajectories in another blob folder (folder "
@@ -104,77 +123,91 @@ class FarmBackend:
         return f"{PREFIX}r:{name}"
 
     @staticmethod
-    def _tombstone_key(name: str) -> str:
-        return f"{PREFIX}x:{name}"
+    def _record_key(name: str) -> str:
+        return f"{PREFIX}n:{name}"
 
     # ---- writing ---------------------------------------------------------------------------------
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
         blob = parts["blob"]
-        name = hashlib.sha256(blob).hexdigest() + ".blob"
+        size = len(blob) + len(parts["sig"]) + len(parts["thumb"])
+        name, record = self._create(entry_id, blob)
         errors = self._redis._errors
 
         def work():
-            deadline = time.monotonic() + TOMBSTONE_MS / 1000
             with self._client.pipeline(transaction=True) as pipe:
                 while True:
                     try:
-                        pipe.watch(self._tombstone_key(name))
-                        if pipe.exists(self._tombstone_key(name)):   # being unlinked: write it again afterwards
-                            pipe.unwatch()
-                            if time.monotonic() > deadline:
-                                raise StoreError(f"Carnator cache {self.location!r}: blob {name} stays locked for "
-                                                 "deletion: delete the key carnator:x:" + name)
-                            time.sleep(0.02)
-                            continue
-                        self._register_write(name, HEADER_BYTES + len(blob))
-                        try:
-                            self._write(name, blob)   # after the tombstone check: a collector after it fails
-                        except StoreError:
-                            self._unregister_write(name)   # nothing of it stayed behind (write_whole)
-                            raise
+                        pipe.watch(self._record_key(name))
+                        found = pipe.get(self._record_key(name))
+                        if found is not None and found.decode() != record:
+                            pipe.unwatch()   # a collector took it for a killed write (the write took > 10 min)
+                            raise StoreError(f"Carnator cache {self.location!r}: the blob of this entry was "
+                                             "reclaimed as a killed write before its commit: the entry was not "
+                                             "stored")
                         pipe.multi()
-                        self._redis.queue_put(pipe, entry_id, meta, {"sig": parts["sig"], "thumb": parts["thumb"]})
+                        self._redis.queue_put(pipe, entry_id, meta, {"sig": parts["sig"], "thumb": parts["thumb"]},
+                                              size)
                         pipe.set(self._name_key(entry_id), name)
-                        pipe.sadd(self._refs_key(name), entry_id)
-                        self._queue_unlisted(pipe, name)       # written and referenced: neither in flight nor garbage
+                        pipe.set(self._record_key(name), record)   # again: a Redis that lost its data has none
+                        self._queue_unlisted(pipe, name)             # written and live: neither in flight nor garbage
                         # The identity and the binding with every entry: a Redis that lost its data meanwhile
-                        # (FLUSHALL) is a farm again at once, never a Redis-only store holding a farm's entries.
+                        # (FLUSHALL) is this farm's again at once, never a Redis-only store holding a farm's entries.
                         pipe.set(PREFIX + "store", self.identity, nx=True)
                         pipe.set(BLOB_FOLDER_KEY, self._folder.identity, nx=True)
                         pipe.execute()
                         return
                     except errors.WatchError:
-                        continue   # a collector took the tombstone meanwhile: the file may be gone, write it again
+                        continue   # a collector looked at it meanwhile: look again
         self._redis._guard("store an entry", work)
 
-    def _register_write(self, name: str, size: int) -> None:
-        """Recorded before the file is written: a writer killed before its commit leaves a registration, which
-        proves the file it left is a failed write of this farm (reclaim_orphans)."""
+    def _create(self, entry_id: str, blob: bytes) -> tuple:
+        """The blob written into a file of its own: (its name, its record). The record (the write's nonce, the
+        entry, the file's bytes) is in Redis before the file exists, and stays until the file is deleted: what
+        proves the file this farm's, and finds it again wherever a worker is killed."""
+        for _ in range(3):
+            name, nonce = uuid.uuid4().hex + ".blob", uuid.uuid4().hex
+            record = f"{nonce} {entry_id} {HEADER_BYTES + len(blob)}"
+            self._redis._guard("store an entry", lambda: self._register_write(name, record, HEADER_BYTES + len(blob)))
+            try:
+                created = self._write(name, nonce, blob)
+            except StoreError:
+                self._unregister_write(name)   # nothing of it stayed behind (create_new)
+                raise
+            if created:
+                return name, record
+            self._unregister_write(name)       # someone's file at that name, untouched: another name
+        raise StoreError(f"Carnator blob folder {self.blob_dir!r}: three new blob names were taken by other files: "
+                         "give the farm a folder of its own")
+
+    def _register_write(self, name: str, record: str, size: int) -> None:
         pipe = self._client.pipeline(transaction=True)
+        pipe.set(self._record_key(name), record)
         pipe.zadd(WRITES_KEY, {name: time.time()})
         pipe.hset(WRITE_BYTES, name, size)
         pipe.execute()
 
     def _unregister_write(self, name: str) -> None:
+        """A write that left no file forgotten (Redis unreachable: left registered, and its collection finds
+        nothing to delete)."""
         try:
             pipe = self._client.pipeline(transaction=True)
-            pipe.zrem(WRITES_KEY, name)
-            pipe.hdel(WRITE_BYTES, name)
+            pipe.delete(self._record_key(name))
+            self._queue_unlisted(pipe, name)
             pipe.execute()
         except self._redis._errors.RedisError:
-            pass   # left registered: reclaim_orphans finds nothing to delete and forgets it
+            pass
 
-    def _write(self, name: str, blob: bytes) -> None:
-        """The blob's file; on a full disk, the released files are deleted at once (their grace period is a
-        courtesy to readers, not worth a lost write) and the write tried once more."""
+    def _write(self, name: str, nonce: str, blob: bytes) -> bool:
+        """The blob's file (False: the name is taken); on a full disk, the released files are deleted at once
+        (their grace period is a courtesy to readers, not worth a lost write) and the write tried once more."""
         try:
-            self._folder.write(name, blob)
+            return self._folder.create(name, nonce, blob)
         except StoreError as error:
             if not _disk_full(error):
                 raise
             self._collect(due=float("inf"))
-            self._folder.write(name, blob)
+            return self._folder.create(name, nonce, blob)
 
     @staticmethod
     def _queue_unlisted(pipe, name: str) -> None:
@@ -186,81 +219,116 @@ class FarmBackend:
     def update(self, entry_id: str, change) -> bool:
         return self._redis.update(entry_id, change)
 
-    def remove(self, entry_id: str) -> bool:
-        name = self._redis._guard("delete an entry", lambda: self._client.get(self._name_key(entry_id)))
+    # The entry's blob file, as RedisBackend's removals ask of it (watch_keys, read, queue_release): released in
+    # the very transaction that removes the entry, so no crash leaves a file that nothing lists.
 
-        def deletions(pipe):
-            self._redis.queue_remove(pipe, entry_id)
-            if name is not None:
-                # The name outlives the entry by the grace period: a worker that read the metadata just before reads
-                # the file it names, still on disk until then.
-                pipe.expire(self._name_key(entry_id), max(1, int(BLOB_GRACE_SECONDS)))
-                pipe.srem(self._refs_key(name.decode()), entry_id)
-                pipe.scard(self._refs_key(name.decode()))
-        replies = self._redis._guard("delete an entry", lambda: self._redis.freeing(deletions, "del", entry_id))
-        if name is not None and replies[-1] == 0:
-            self._released([name.decode()])
-        self.collect()
-        return bool(replies[0])
+    def watch_keys(self, entry_id: str) -> list:
+        return [self._name_key(entry_id)]
 
-    def _released(self, names) -> None:
-        """Schedules files that lost their last reference for collection, with their bytes (the size limit counts
-        them meanwhile). Best effort: over Redis's maxmemory (refused) they stay on disk, unscheduled."""
+    def read(self, pipe, entry_id: str):
+        """(the entry's blob name, its bytes) or None, read under the removal's WATCH."""
+        name = pipe.get(self._name_key(entry_id))
+        if name is None:
+            return None
+        name = name.decode()
+        record = pipe.get(self._record_key(name)) if BLOB_NAME.fullmatch(name) else None
+        return name, int(record.split()[2]) if record is not None else self._folder.size(name)
+
+    def queue_release(self, pipe, entry_id: str, held) -> None:
+        if held is None:
+            return
+        name, size = held
+        # The name outlives the entry by the grace period: a worker that read the metadata just before reads the
+        # file it names, still on disk until then.
+        pipe.expire(self._name_key(entry_id), max(1, int(BLOB_GRACE_SECONDS)))
+        if LEGACY_NAME.fullmatch(name):
+            pipe.srem(self._refs_key(name), entry_id)   # a shared legacy file: released by its last reference
+            return
+        pipe.zadd(GC_KEY, {name: time.time()}, nx=True)
+        pipe.hset(GC_BYTES, name, size)
+
+    def released_legacy(self, helds) -> None:
+        """After a removal: the legacy files among `helds` whose last reference went, scheduled for collection."""
+        legacy = sorted({held[0] for held in helds if held is not None and LEGACY_NAME.fullmatch(held[0])})
+        if not legacy:
+            return
         try:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.zadd(GC_KEY, {name: time.time() for name in names}, nx=True)
-            pipe.hset(GC_BYTES, mapping={name: self._folder.size(name) for name in names})
-            pipe.execute()
+            pipe = self._client.pipeline(transaction=False)
+            for name in legacy:
+                pipe.scard(self._refs_key(name))
+            unreferenced = [name for name, left in zip(legacy, pipe.execute()) if left == 0]
+            if unreferenced:
+                pipe = self._client.pipeline(transaction=True)
+                pipe.zadd(GC_KEY, {name: time.time() for name in unreferenced}, nx=True)
+                pipe.hset(GC_BYTES, mapping={name: self._folder.size(name) for name in unreferenced})
+                pipe.execute()
         except self._redis._errors.RedisError:
             pass
 
-    def clear(self) -> None:
-        """The entries listed now, and only those (an entry committed meanwhile stays whole and listed); a file is
-        released only where its last reference went, never by deleting a reference set another writer may have
-        just joined."""
-        ids = self._redis.entry_ids()
-        names = self._redis._guard("clear the cache", lambda: self._client.mget(
-            [self._name_key(e) for e in ids])) if ids else []
-        held = [(entry_id, name.decode()) for entry_id, name in zip(ids, names) if name is not None]
-        released = sorted({name for _, name in held})
+    def remove(self, entry_id: str) -> bool:
+        outcome, _ = self._redis.remove_entry(entry_id, blobs=self)
+        self.collect()
+        return outcome == "evicted"
 
-        def deletions(pipe):
-            self._redis.queue_clear(pipe, ids)
-            for entry_id, name in held:
-                pipe.expire(self._name_key(entry_id), max(1, int(BLOB_GRACE_SECONDS)))
-                pipe.srem(self._refs_key(name), entry_id)
-            for name in released:
-                pipe.scard(self._refs_key(name))
-        replies = self._redis._guard("clear the cache", lambda: self._redis.freeing(deletions, "clear", "-"))
-        emptied = [name for name, left in zip(released, replies[len(replies) - len(released):]) if left == 0]
-        if emptied:
-            self._released(emptied)
+    def evict(self, entry_id: str, budget: int) -> tuple:
+        return self._redis.remove_entry(entry_id, budget=budget, blobs=self)
+
+    def total_bytes(self):
+        return self._redis.total_bytes()
+
+    def clear(self) -> None:
+        """The entries listed now, and only those (an entry committed meanwhile stays whole and listed), each
+        file released with its entry."""
+        self._redis.clear(blobs=self)
 
     # ---- garbage collection ----------------------------------------------------------------------
 
-    def _delete_unreferenced(self, name: str) -> int:
-        """Deletes blob file `name` when no entry refers to it (its content proving it ours); returns the bytes
-        freed. Under the tombstone: a writer of the same blob that checked before it takes the tombstone fails its
-        transaction on the watched key and writes the file again; one that checks after it waits until the file is
-        gone, then writes it."""
-        errors = self._redis._errors
+    def _free(self, name: str) -> int:
+        """Deletes blob file `name` unless its entry is live; returns the bytes freed. Its record is marked first
+        (a writer still committing it fails on its WATCH), and dropped only once the file is gone: a worker killed
+        meanwhile, or an unlink that fails (a read-only folder), leaves the file listed and counted, for the next
+        collection. A file whose header does not hold the recorded nonce (someone's, put in its place) is left
+        alone and forgotten; a file without a record is never deleted."""
+        if LEGACY_NAME.fullmatch(name):
+            return self._free_legacy(name)
+        errors, key = self._redis._errors, self._record_key(name)
         with self._client.pipeline(transaction=True) as pipe:
             try:
-                pipe.watch(self._refs_key(name), self._tombstone_key(name))
-                referenced = pipe.scard(self._refs_key(name)) or pipe.exists(self._tombstone_key(name))
+                pipe.watch(key)
+                record = pipe.get(key)
+                fields = record.decode().split() if record is not None else []
+                live = len(fields) >= 3 and pipe.get(self._name_key(fields[1])) == name.encode() \
+                    and pipe.exists(self._redis._key("meta", fields[1]))
                 pipe.multi()
-                if not referenced:
-                    pipe.set(self._tombstone_key(name), "1", px=TOMBSTONE_MS)
-                self._queue_unlisted(pipe, name)   # referenced again: a later removal schedules it anew
+                if len(fields) < 3 or live:
+                    self._queue_unlisted(pipe, name)   # nothing proves it ours, or it is an entry's: not garbage
+                elif len(fields) == 3:
+                    pipe.set(key, record + b" freeing")
                 pipe.execute()
             except errors.WatchError:
                 return 0
-        if referenced:
+        if len(fields) < 3 or live:
             return 0
-        try:
-            return self._folder.remove(name)
-        finally:
-            self._client.delete(self._tombstone_key(name))
+        freed = self._folder.free(name, fields[0])   # StoreError: the records stay, so does the count
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(key)
+        self._queue_unlisted(pipe, name)
+        pipe.execute()
+        return freed or 0
+
+    def _free_legacy(self, name: str) -> int:
+        """A legacy (shared, content-named) file: deleted when no entry refers to it and its content proves it
+        this farm's (blob_folder.free_legacy). No writer writes a legacy name any more, so none can race it."""
+        if self._client.scard(self._refs_key(name)):
+            freed = 0
+        else:
+            freed = self._folder.free_legacy(name)
+            if freed == 0 and self._folder.size(name):
+                return 0   # still there (not removable now): stays listed
+        pipe = self._client.pipeline(transaction=True)
+        self._queue_unlisted(pipe, name)
+        pipe.execute()
+        return freed
 
     def _collect(self, due: float, need: float = float("inf")) -> tuple:
         """Deletes released files released before `due` (seconds since the epoch), oldest first, until `need`
@@ -274,8 +342,11 @@ class FarmBackend:
             if not names:
                 break
             for name in names[:COLLECT_BATCH]:
-                tried.add(name)   # one attempt each (one another worker is collecting stays listed until it is)
-                size = self._delete_unreferenced(name)
+                tried.add(name)   # one attempt each (one that fails now stays listed for the next collection)
+                try:
+                    size = self._free(name)
+                except StoreError:
+                    size = 0
                 count, freed = count + bool(size), freed + size
                 if freed >= need:
                     break
@@ -290,19 +361,46 @@ class FarmBackend:
             return 0, 0
 
     def reclaim_orphans(self) -> tuple:
-        """At open: the released blobs past their grace period, then what the writes registered longer than
-        ORPHAN_GRACE_SECONDS ago and never committed left (a worker killed between its write and its commit): the
-        file, if no entry refers to it, and the write's temporary files."""
+        """At open: the released blobs past their grace period, then the files of writes registered longer than
+        ORPHAN_GRACE_SECONDS ago and never committed (a worker killed between its write and its commit), and,
+        after a removal that could not list its file (Redis over maxmemory), every record nothing lists."""
         return self._redis._guard("reclaim orphan blobs", self._reclaim)
 
     def _reclaim(self) -> tuple:
+        self._relist_records()
         count, freed = self.collect()
         cutoff = time.time() - ORPHAN_GRACE_SECONDS
         for name in [n.decode() for n in self._client.zrangebyscore(WRITES_KEY, "-inf", cutoff)]:
-            leftovers = self._folder.temporaries(name, older_than=cutoff)
-            gone = self._delete_unreferenced(name) + sum(self._folder.remove(t) for t in leftovers)
+            leftovers = self._folder.temporaries(name, older_than=cutoff) if LEGACY_NAME.fullmatch(name) else []
+            gone = self._free(name) + sum(self._folder.free_legacy(t) for t in leftovers)
             count, freed = count + bool(gone), freed + gone
         return count, freed
+
+    def _relist_records(self) -> None:
+        """Once after a removal fell back to commands one by one (over maxmemory, RECORDS_LISTED deleted): every
+        file record that is neither an entry's nor listed as released or in flight is listed as released."""
+        if self._client.exists(RECORDS_LISTED):
+            return
+        for keys in _batches(self._client.scan_iter(match=self._record_key("*"), count=1000), 500):
+            names = [k.decode()[len(self._record_key("")):] for k in keys]
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.get(self._record_key(name))
+                pipe.zscore(GC_KEY, name)
+                pipe.zscore(WRITES_KEY, name)
+            replies = pipe.execute()
+            for name, (record, released, writing) in zip(names, zip(*[iter(replies)] * 3)):
+                if record is None or released is not None or writing is not None:
+                    continue
+                entry, size = record.decode().split()[1:3]
+                if self._client.get(self._name_key(entry)) == name.encode() and \
+                        self._client.exists(self._redis._key("meta", entry)):
+                    continue
+                pipe = self._client.pipeline(transaction=True)
+                pipe.zadd(GC_KEY, {name: time.time()}, nx=True)
+                pipe.hset(GC_BYTES, name, int(size))
+                pipe.execute()
+        self._client.set(RECORDS_LISTED, 1)
 
     # ---- reading ---------------------------------------------------------------------------------
 

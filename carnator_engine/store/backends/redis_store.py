@@ -53,6 +53,35 @@ def _stream_id(text) -> tuple:
 
 
 BLOB_FOLDER_KEY = PREFIX + "blob_folder"   # the farm layout's (farm.py): the identity of the store's blob folder
+SIZES_KEY = PREFIX + "sz"      # entry id -> its bytes, set and deleted with the entry
+TOTAL_KEY = PREFIX + "bytes"   # the sum of SIZES_KEY, kept in the same transactions: what eviction checks
+RELIST_KEY = PREFIX + "listed"   # deleted by a removal that fell back to single commands (farm.py relists)
+# TOTAL_KEY changed only where it exists (a store from before it, or one whose total was dropped, is recounted).
+ADJUST = "if redis.call('exists', KEYS[1]) == 1 then return redis.call('incrby', KEYS[1], ARGV[1]) end return 0"
+# The total recounted from the sizes, in one atomic step; entries from before SIZES_KEY get theirs from their
+# metadata (its JSON object: the checksummed format prefixes it with a line).
+RECOUNT = """
+local listed = {}
+for _, id in ipairs(redis.call('smembers', KEYS[1])) do
+  listed[id] = true
+  if redis.call('hexists', KEYS[2], id) == 0 then
+    local meta = redis.call('get', ARGV[1] .. id)
+    if meta then
+      local start = string.find(meta, '{', 1, true) or 1
+      local ok, value = pcall(cjson.decode, string.sub(meta, start))
+      local size = ok and type(value) == 'table' and tonumber(value['size_bytes']) or 0
+      redis.call('hset', KEYS[2], id, size)
+    end
+  end
+end
+local total = 0
+local sizes = redis.call('hgetall', KEYS[2])
+for i = 1, #sizes, 2 do
+  if listed[sizes[i]] then total = total + tonumber(sizes[i + 1]) else redis.call('hdel', KEYS[2], sizes[i]) end
+end
+redis.call('set', KEYS[3], total)
+return total
+"""
 
 
 class RedisBackend:
@@ -179,19 +208,25 @@ class RedisBackend:
         """One change-log record, queued on `pipe` (a transaction, or the client itself)."""
         pipe.xadd(PREFIX + "log", {"op": op, "id": entry_id}, maxlen=LOG_KEEP, approximate=True)
 
-    def queue_put(self, pipe, entry_id: str, meta: bytes, parts: dict) -> None:
-        """Into a MULTI: the parts given (the farm layout keeps its blob out of Redis), then the metadata."""
+    def queue_put(self, pipe, entry_id: str, meta: bytes, parts: dict, size: int) -> None:
+        """Into a MULTI: the parts given (the farm layout keeps its blob out of Redis), then the metadata, and the
+        entry's `size` (all its parts' bytes) counted."""
         for kind in ("sig", "blob", "thumb"):
             if kind in parts:
                 pipe.set(self._key(kind, entry_id), parts[kind])
         pipe.set(self._key("meta", entry_id), meta)
         pipe.sadd(PREFIX + "ids", entry_id)
+        pipe.hset(SIZES_KEY, entry_id, size)
+        self._adjust(pipe, size)
         self._log(pipe, "put", entry_id)
+
+    def _adjust(self, pipe, delta: int) -> None:
+        pipe.eval(ADJUST, 1, TOTAL_KEY, int(delta))
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
         def work():
             pipe = self._client.pipeline(transaction=True)
-            self.queue_put(pipe, entry_id, meta, parts)
+            self.queue_put(pipe, entry_id, meta, parts, sum(len(p) for p in parts.values()))
             pipe.execute()
         self._guard("store an entry", work)
 
@@ -230,7 +265,8 @@ class RedisBackend:
             pass
         pipe = self._client.pipeline(transaction=False)
         deletions(pipe)
-        replies = pipe.execute()
+        pipe.delete(TOTAL_KEY, RELIST_KEY)   # recounted, relisted: what refused commands left out (DEL is allowed)
+        replies = pipe.execute(raise_on_error=False)[:-1]
         try:
             self._log(self._client, op, entry_id)
         except self._errors.OutOfMemoryError:
@@ -238,15 +274,85 @@ class RedisBackend:
         return replies
 
     def queue_remove(self, pipe, entry_id: str) -> None:
-        """An entry's deletions (for freeing): its metadata first, then its parts."""
+        """An entry's deletions (for freeing): its metadata first, then its parts and its size."""
         pipe.delete(self._key("meta", entry_id))
         pipe.srem(PREFIX + "ids", entry_id)
         for kind in ("sig", "blob", "thumb"):
             pipe.delete(self._key(kind, entry_id))
+        pipe.hdel(SIZES_KEY, entry_id)
+
+    def remove_entry(self, entry_id: str, budget=None, blobs=None) -> tuple:
+        """Removes one entry in one transaction: ("evicted" or "gone", the total seen). With `budget` (an
+        eviction) only while the store's total exceeds it, checked in that same transaction (WATCH): ("fits",
+        total) otherwise, so workers evicting at once never take the total below the limit. `blobs` (the farm)
+        releases the entry's file in that transaction (watch_keys, read, queue_release)."""
+        meta_key = self._key("meta", entry_id)
+
+        def work():
+            recounted = False
+            with self._client.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        pipe.watch(meta_key, *([TOTAL_KEY] if budget is not None else []),
+                                   *(blobs.watch_keys(entry_id) if blobs else []))
+                        total = pipe.get(TOTAL_KEY) if budget is not None else None
+                        if budget is not None and total is None and not recounted:
+                            pipe.unwatch()
+                            recounted = True
+                            try:
+                                self.recount()
+                            except StoreError:
+                                pass   # over maxmemory: the caller's index decides, this once
+                            continue
+                        if total is not None:
+                            total = int(total)
+                            if total <= budget:
+                                pipe.unwatch()
+                                return "fits", total
+                        exists, size = pipe.exists(meta_key), pipe.hget(SIZES_KEY, entry_id)
+                        if not exists and budget is not None:
+                            pipe.unwatch()
+                            return "gone", total
+                        held = blobs.read(pipe, entry_id) if blobs else None
+                        pipe.multi()
+                        self._queue_removal(pipe, entry_id, exists and size, blobs, held)
+                        pipe.execute()
+                        break
+                    except self._errors.WatchError:
+                        continue   # another worker changed the entry or the total first: look again
+                    except self._errors.OutOfMemoryError:
+                        fallback = self._client.pipeline(transaction=False)
+                        self._queue_removal(fallback, entry_id, 0, blobs, held)
+                        fallback.delete(TOTAL_KEY, RELIST_KEY)
+                        fallback.execute(raise_on_error=False)
+                        break
+            if blobs:
+                blobs.released_legacy([held])
+            return ("evicted" if exists else "gone"), total
+        return self._guard("delete an entry", work)
+
+    def _queue_removal(self, pipe, entry_id: str, size, blobs, held) -> None:
+        self.queue_remove(pipe, entry_id)
+        if size:
+            self._adjust(pipe, -int(size))
+        if blobs:
+            blobs.queue_release(pipe, entry_id, held)
+        self._log(pipe, "del", entry_id)
 
     def remove(self, entry_id: str) -> bool:
-        return self._guard("delete an entry", lambda: bool(
-            self.freeing(lambda pipe: self.queue_remove(pipe, entry_id), "del", entry_id)[0]))
+        return self.remove_entry(entry_id)[0] == "evicted"
+
+    def evict(self, entry_id: str, budget: int) -> tuple:
+        return self.remove_entry(entry_id, budget=budget)
+
+    def total_bytes(self):
+        """The store's total as Redis counts it (recounted where it is missing)."""
+        total = self._guard("measure its entries", lambda: self._client.get(TOTAL_KEY))
+        return int(total) if total is not None else self.recount()
+
+    def recount(self) -> int:
+        return int(self._guard("measure its entries", lambda: self._client.eval(
+            RECOUNT, 3, PREFIX + "ids", SIZES_KEY, TOTAL_KEY, self._key("meta", ""))))
 
     def entry_ids(self) -> list:
         return [i.decode() for i in self._guard("list its entries", lambda: self._client.smembers(PREFIX + "ids"))]
@@ -259,13 +365,28 @@ class RedisBackend:
             chunk = ids[start:start + BATCH]
             pipe.delete(*[self._key(kind, e) for kind in "msbt" for e in chunk])
             pipe.srem(PREFIX + "ids", *chunk)
+            pipe.hdel(SIZES_KEY, *chunk)
 
-    def clear(self) -> None:
+    def clear(self, blobs=None) -> None:
+        """The entries listed now, each file released with its entry (`blobs`: the farm); the total recounted
+        after (an entry another worker removed meanwhile is not subtracted twice)."""
         ids = self.entry_ids()
 
         def work():
-            self.freeing(lambda pipe: self.queue_clear(pipe, ids), "clear", "-")
+            helds = [blobs.read(self._client, entry_id) for entry_id in ids] if blobs else []
+
+            def deletions(pipe):
+                self.queue_clear(pipe, ids)
+                for entry_id, held in zip(ids, helds):
+                    blobs.queue_release(pipe, entry_id, held)
+            self.freeing(deletions, "clear", "-")
+            if blobs:
+                blobs.released_legacy(helds)
         self._guard("clear the cache", work)
+        try:
+            self.recount()
+        except StoreError:
+            pass   # dropped: recounted by the next eviction
 
     # ---- reading ---------------------------------------------------------------------------------
 
@@ -300,14 +421,14 @@ class RedisBackend:
         def work():
             pipe = self._client.pipeline(transaction=False)
             pipe.xrange(PREFIX + "log", min=f"({cursor}", max="+")
-            pipe.xrange(PREFIX + "log", count=1)
+            pipe.xrange(PREFIX + "log", min=cursor, max=cursor)
             pipe.xrevrange(PREFIX + "log", count=1)
-            new, first, last = pipe.execute()
-            seen = _stream_id(cursor)
-            head = _stream_id(last[0][0]) if last else (0, 0)
-            # Rebuild when the log no longer reaches back to the cursor (trimmed past it: this worker is LOG_KEEP
-            # changes behind) or the server lost it (restarted without persistence).
-            if head < seen or (seen != (0, 0) and first and _stream_id(first[0][0]) > seen):
+            new, at, last = pipe.execute()
+            # Rebuild when the cursor's own record is no longer in the log: trimmed past it (this worker is LOG_KEEP
+            # changes behind), or the server lost it (restarted without persistence, or rolled back to an older
+            # append-only file: the log may have grown past the cursor again since, with other records, and the
+            # entries this worker took in after the rollback point are gone).
+            if _stream_id(cursor) != (0, 0) and not at:
                 return (last[0][0].decode() if last else "0-0"), None
             if not new:
                 return cursor, []
