@@ -170,6 +170,11 @@ class Decision:
     refine_step: Optional[int] = None     # the midway step whose model call re-estimates the target region
     exact_repeat: bool = False            # the entry is this very request: its stored result, no model call
     cell_map: Optional[torch.Tensor] = None  # [Tg, Hg, Wg] the early estimates' difference per cell (a hit's)
+    region: str = ""                      # a hit under region-only resume: how it resumed, in a creator's words
+
+    @property
+    def region_only(self) -> bool:
+        return bool(self.numbers.get("region_only"))
 
     @property
     def model_calls(self) -> int:
@@ -177,7 +182,9 @@ class Decision:
 
     @property
     def expected_speedup(self) -> Optional[float]:
-        """None for an exact repeat, which makes no model call at all."""
+        """None for an exact repeat, which makes no model call at all; a region-only hit's steps cost their share."""
+        if self.region_only and self.numbers.get("region_expected_speedup"):
+            return self.numbers["region_expected_speedup"]
         return self.steps / self.model_calls if self.model_calls else None
 
     def summary(self) -> dict:
@@ -185,7 +192,8 @@ class Decision:
         return {"reuse": self.reuse, "risk": self.risk, "entry_id": self.entry_id, "steps": self.steps,
                 "probe_steps": self.probe_steps, "resume_step": self.resume_step, "refine_step": self.refine_step,
                 "model_calls": self.model_calls, "expected_speedup": None if speedup is None else round(speedup, 3),
-                "exact_repeat": self.exact_repeat, "numbers": self.numbers, "reasons": self.reasons}
+                "exact_repeat": self.exact_repeat, "region": self.region, "numbers": self.numbers,
+                "reasons": self.reasons}
 
 
 def exact_repeat(entry_id: str, steps: int, risk: str, probe_steps: int = 0) -> Decision:
@@ -330,7 +338,8 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
 
 def region_only_verdict(share: float, max_share: float, decision: Decision, full_steps: int,
                         tail_steps: int) -> tuple:
-    """(region-only?, reason) for a hit whose target tokens (halo included) are `share` of the clip.
+    """(region-only?, reason, what the node says, expected speedup or None) for a hit whose target tokens (halo
+    included) are `share` of the clip.
 
     Region-only pays where the steps that run the target alone outweigh its full steps: a step costs about its share
     of the tokens (the linear layers and attention's queries both scale with it), and `full_steps` of the resumed
@@ -345,9 +354,14 @@ def region_only_verdict(share: float, max_share: float, decision: Decision, full
             f"full model calls against {whole} for whole-clip resume")
     if share == 0:
         return False, ("no target tokens: the cached request covers the whole clip, and whole-clip resume "
-                       "recomputes it under this request's conditioning")
+                       "recomputes it under this request's conditioning"), "whole clip: no region differs", None
     if not share <= max_share:
-        return False, f"{text}, but the target is over the region-only limit of {max_share:.0%}: whole-clip resume"
+        return False, (f"{text}, but the target is over the region-only limit of {max_share:.0%}: whole-clip "
+                       "resume"), (f"whole clip: the change covers {share:.0%} of it, over the region-only limit "
+                                   f"of {max_share:.0%}"), None
     if region_steps < 1 or region > 0.9 * whole:
-        return False, f"{text}: region-only saves under 10 % here, whole-clip resume"
-    return True, f"{text}: region-only resume, expected {decision.steps / region:.2f}x"
+        return False, f"{text}: region-only saves under 10 % here, whole-clip resume", \
+            "whole clip: too few steps left for region-only to pay", None
+    expected = decision.steps / region
+    return True, f"{text}: region-only resume, expected {expected:.2f}x", \
+        f"region-only on {share:.0%} of the clip", round(expected, 3)

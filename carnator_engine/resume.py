@@ -15,6 +15,7 @@ or a region step out of memory) resumes whole-clip; each with its reason.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -82,6 +83,7 @@ def finish(runner, probed, decision: gate_module.Decision, payload, config, chec
     if region is not None and region.fallback:
         decision = _with_reason(decision, region.fallback, {"region_only": False,
                                                             "region_steps": region.region_steps_run})
+        decision = dataclasses.replace(decision, region="whole clip: " + re.split(r" \(|: |; ", region.fallback)[0])
     elif region is not None:     # where the kept keys and values were: bytes resident on the device and streamed
         placed = region.keys_values.placed
         decision = dataclasses.replace(decision, numbers={**decision.numbers, "region_resident_bytes": placed["resident"],
@@ -99,7 +101,9 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
         why = ("holds no final latent" if final is None else
                f"holds a final latent of shape {list(final.shape)}, not this request's {list(probed.latent.shape)}")
         reason = f"region-only resume not possible: entry {decision.entry_id} {why}; whole-clip resume"
-        return _with_reason(decision, reason, {}), None, reason
+        decision = dataclasses.replace(_with_reason(decision, reason, {}),
+                                       region="whole clip: the cached generation has no usable final latent")
+        return decision, None, reason
     cells = decision.target_cells
     if decision.cell_map is not None and cells is not None:
         cells = region_cells(decision.cell_map, cells, config.region_target_mass)
@@ -107,10 +111,12 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
     share = float(tokens.float().mean())
     full = _full_steps(runner, decision, config)
     tail = min(config.region_full_steps, decision.steps - decision.resume_step - 1)
-    ok, reason = gate_module.region_only_verdict(share, config.region_max_share, decision, len(full), tail)
+    ok, reason, note, expected = gate_module.region_only_verdict(share, config.region_max_share, decision, len(full),
+                                                                 tail)
     region_steps = max(0, decision.steps - decision.resume_step - len(full) - tail) if ok else 0
     decision = _with_reason(decision, reason, {"region_share": round(share, 4), "region_only": ok,
-                                               "region_steps": region_steps})
+                                               "region_steps": region_steps, "region_expected_speedup": expected})
+    decision = dataclasses.replace(decision, region=note)
     if ok:     # the request's own state at step k covers the whole region it recomputes
         decision = dataclasses.replace(decision, target_cells=cells)
     region = RegionTokens(tokens, full, getattr(runner, "memory", None), config.region_memory_margin) if ok else None

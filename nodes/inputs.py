@@ -259,7 +259,8 @@ def _verdict(summary: dict) -> str:
         return (f"Carnator REPEAT: every input matches entry {summary.get('entry_id')}, an earlier generation; "
                 f"its stored result, {cost}")
     if summary.get("reuse"):
-        return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}; "
+        region = f"; {summary['region']}" if summary.get("region") else ""   # region-only, or why the whole clip
+        return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}{region}; "
                 f"{cost}, expected {summary.get('expected_speedup')}x{stored}")
     why = summary.get("why") or "; ".join(deciding_reasons(summary))
     return f"Carnator MISS ({risk}): {why}; {cost}{stored}"

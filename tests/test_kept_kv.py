@@ -106,6 +106,8 @@ def test_a_hit_whose_kept_keys_do_not_fit_even_streamed_resumes_whole_clip_with_
     d = result.decision
     assert d.reuse and d.numbers["region_only"] is False and d.numbers["region_steps"] == 0
     assert d.reasons[-1].startswith("not enough GPU memory for region-only resume")
+    assert d.region == "whole clip: not enough GPU memory for region-only resume"
+    assert d.expected_speedup == STEPS / d.model_calls      # the node's estimate is the whole clip's again
     assert torch.allclose(result.latent, whole, rtol=1e-5, atol=1e-5)
 
 
@@ -115,6 +117,7 @@ def test_a_hit_without_host_memory_for_the_kept_keys_resumes_whole_clip(tiny_mod
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     assert result.decision.numbers["region_only"] is False
     assert result.decision.reasons[-1].startswith("not enough host memory to keep the other tokens' keys and values")
+    assert result.decision.region == "whole clip: not enough host memory to keep the other tokens' keys and values"
 
 
 def test_a_region_step_out_of_memory_resumes_the_whole_clip_from_the_resume_step(tiny_model, store, monkeypatch):
@@ -132,6 +135,7 @@ def test_a_region_step_out_of_memory_resumes_the_whole_clip_from_the_resume_step
     assert d.reuse and d.numbers["region_only"] is False
     assert d.reasons[-1] == (f"region-only resume ran out of GPU memory (CUDA out of memory. Tried to allocate 2.00 "
                              f"GiB); whole-clip resume from step {d.resume_step}")
+    assert d.region == "whole clip: region-only resume ran out of GPU memory"
     assert torch.allclose(result.latent, whole, rtol=1e-5, atol=1e-5)
 
 

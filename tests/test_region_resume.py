@@ -270,3 +270,24 @@ def test_the_region_target_holds_most_of_the_difference_whatever_the_models_scal
     assert torch.equal(region_cells(torch.zeros(4, 8, 8), gate, 0.7), gate)   # no difference at all
     with pytest.raises(ValueError, match=r"region_target_mass=1.5 must be in \[0, 1\]"):
         CarnatorConfig(region_target_mass=1.5).validate(10)
+
+
+def test_the_node_says_how_a_hit_resumed_and_what_it_expects(tiny_model, store):
+    """'HIT ..., region-only on X% of the clip, ... expected Y x' with the region-only estimate, or why the whole clip
+    was resumed; the whole-clip estimate only when the whole clip ran."""
+    from nodes.inputs import summary_text
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    summary = result.decision.summary()
+    share, expected = result.decision.numbers["region_share"], result.decision.numbers["region_expected_speedup"]
+    assert summary["region"] == f"region-only on {share:.0%} of the clip"
+    assert summary["expected_speedup"] == expected > STEPS / result.decision.model_calls
+    text = summary_text(summary)
+    assert f"; region-only on {share:.0%} of the clip; " in text and text.endswith(f"expected {expected}x")
+    over = resume(runner, probed, decision, store, dataclasses.replace(config, region_max_share=0.01), PROMPT, 2)
+    summary = over.decision.summary()
+    assert summary["region"] == f"whole clip: the change covers {share:.0%} of it, over the region-only limit of 1%"
+    assert summary["expected_speedup"] == round(STEPS / over.decision.model_calls, 3)
+    assert "; whole clip: the change covers" in summary_text(summary)
+    assert CarnatorConfig().region_only is False and resume(
+        runner, probed, decision, store, _config(), PROMPT, 2).decision.summary()["region"] == ""

@@ -91,6 +91,14 @@ test("decision badge and lines", () => {
   assert.ok(decisionLines(ran).includes(
     "probe 3 steps · 10 of 10 steps run · 5 model calls · EasyCache reuse_threshold=3, start_percent=0.15 inside (skipped 5) · expected 1.00×"));
   assert.equal(decisionBadge({ ...hit, steps_run: 21, model_calls: 21 }).text, "HIT k=12/30 · 1.43× · 21 calls");
+  // region-only resume: the share it recomputed and its own expected speedup, or why the whole clip was resumed
+  const region = { ...hit, expected_speedup: 3.6, region: "region-only on 30% of the clip" };
+  assert.equal(decisionBadge(region).text, "HIT k=12/30 · region-only 30% · 3.60×");
+  assert.equal(decisionLines(region)[1], "region-only on 30% of the clip");
+  const whole = { ...hit, region: "whole clip: not enough GPU memory for region-only resume" };
+  assert.equal(decisionBadge(whole).text, "HIT k=12/30 · whole clip · 1.43×");
+  assert.equal(decisionLines(whole)[1], "whole clip: not enough GPU memory for region-only resume");
+  assert.equal(savedDecision(region).region, region.region);
   const made = { model: "", bucket: "0123456789abcdef", steps: 30, size_bytes: 0, hits: 0, steps_saved: 0, created: 0,
     decision: { steps: 30, steps_run: 30, model_calls: 18, step_cache: "EasyCache x", step_cache_skipped: 12 } };
   assert.equal(entryLines(made, 0)[2], "made with 30 of 30 steps run · 18 model calls · EasyCache x inside (skipped 12)");

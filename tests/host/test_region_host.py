@@ -7,11 +7,13 @@ still sees the whole clip. A hook on the first transformer block counts the rows
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import hostsetup
-from test_comfyui_host import SEED, STEPS, nudged, open_cache, sample
+from test_comfyui_host import SEED, STEPS, nudged, open_cache, sample, sampler_output
 
 REGION_STEP = 4
 
@@ -92,10 +94,15 @@ def test_the_sampler_node_says_how_a_hit_resumed(comfy, plugin, tiny_model, cond
     positive, negative = conds
     _, miss = sample(comfy, tiny_model, cache, positive, negative, latent, region_only=True)
     assert not miss["reuse"]
-    _, hit = sample(comfy, tiny_model, cache, nudged(positive), negative, latent, region_only=True)
+    out = sampler_output(comfy, tiny_model, cache, nudged(positive), negative, latent, region_only=True)
+    hit = json.loads(out.result[1])
     assert hit["reuse"] and "region_only" in hit["numbers"] and not hit["warnings"]
     said = [reason for reason in hit["reasons"] if "region-only" in reason or "whole-clip resume" in reason]
     assert said and ("whole-clip resume" in said[-1]) != hit["numbers"]["region_only"]
+    # the node's own text says it: region-only on a share of the clip, or why the whole clip was resumed
+    shown = hostsetup.shown_text(out)
+    assert hit["region"].startswith("region-only on" if hit["numbers"]["region_only"] else "whole clip: ")
+    assert shown.startswith("Carnator HIT") and f"; {hit['region']}; " in shown
 
 
 def test_two_experts_recapture_the_other_tokens_at_the_switch(comfy, plugin, host_dirs):

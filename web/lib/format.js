@@ -97,6 +97,14 @@ function badgeCalls(decision) {
   return ` · ${decision.model_calls} calls${cache}`;
 }
 
+// A hit under region-only resume: the share of the clip it recomputed, or that it resumed the whole clip.
+function badgeRegion(decision) {
+  const region = String(decision.region || "");
+  const share = region.match(/^region-only on (\d+%)/);
+  if (share) return ` · region-only ${share[1]}`;
+  return region ? " · whole clip" : "";
+}
+
 /** The badge on a Carnator node: short, read at a glance. */
 export function decisionBadge(decision) {
   if (!decision) return { text: "", fg: "#ffffff", bg: "#555555" };
@@ -108,7 +116,8 @@ export function decisionBadge(decision) {
   }
   if (decision.reuse) {
     return {
-      text: `HIT k=${decision.resume_step}/${steps} · ${formatSpeedup(decision.expected_speedup)}${badgeCalls(decision)}`,
+      text: `HIT k=${decision.resume_step}/${steps}${badgeRegion(decision)} · ${formatSpeedup(decision.expected_speedup)}`
+        + badgeCalls(decision),
       fg: "#ffffff",
       bg: "#2e7d32",
     };
@@ -121,7 +130,7 @@ export function decisionBadge(decision) {
 // survives a page reload): what decisionBadge and decisionLines read, nothing else.
 const SAVED_DECISION_KEYS = ["node", "reuse", "exact_repeat", "error", "risk", "steps", "probe_steps", "resume_step",
   "refine_step", "model_calls", "steps_run", "step_cache", "step_cache_skipped", "expected_speedup", "entry_id",
-  "stored_as", "store_pending", "warnings", "reasons", "why"];
+  "stored_as", "store_pending", "warnings", "reasons", "why", "region"];
 
 export function savedDecision(decision) {
   const saved = {};
@@ -139,6 +148,7 @@ export function decisionLines(decision) {
     lines.push(`REPEAT: the stored result of entry ${decision.entry_id}, a full generation of the same inputs`);
   } else if (decision.reuse) {
     lines.push(`HIT: resume at step ${decision.resume_step} of ${decision.steps}${risk}`);
+    if (decision.region) lines.push(decision.region);
     if (decision.entry_id) lines.push(`reused entry ${decision.entry_id}`);
   } else {
     lines.push(`MISS: full run of ${decision.steps} steps${risk}`);
