@@ -40,14 +40,13 @@ model, and scores whole scenes (docs/evaluation-world.md).
 
 `suite`: every quality run that benchmarks/RESULTS.md reports, in parallel: one run per configuration and seed
 habit, writing quality_<name>[_fixed_seed].json to --out-dir, each with its per-request rows gzipped beside it
-(.rows.json.gz, benchmarks/reports.py). Two request sets: the main one (60 stream requests, 16 adversarial pairs,
-seed 0) and a replication on new requests (120 and 48, seed 1). The first run of each set (`balanced`,
-`replication_seed1`) goes first: it generates the set's no-reuse references (and the text baseline), which the
-set's other runs read from a reference cache. The pooled replication (`--only pooled`: eight more sets of 120 and
-48, seeds 2-9, `POOLED_RUNS` on each) is read as one: its table adds the sets up and gives each accuracy change
-against no reuse a 95 % interval.
+(.rows.json.gz, benchmarks/reports.py). The pooled sets (`--only pooled`: eight sets of 120 stream requests and 48
+adversarial pairs, seeds 2-9, `POOLED_RUNS` on each) are read as one: the table adds the sets up and gives each
+accuracy change against no reuse a 95 % interval. On the CPU (`RUNS`), a gate that never refuses, on the main set
+(60 and 16, seed 0) and a replication (120 and 48, seed 1). One run of each set goes first and generates its
+no-reuse references (and the text baseline's embeddings), which the set's other runs read from a reference cache.
 
-    python benchmarks/quality.py suite --jobs 2                      # CPU: about two hours on 2 cores
+    python benchmarks/quality.py suite --jobs 2                      # CPU: the never-refusing runs
     python benchmarks/quality.py suite --device cuda --jobs 16 --only pooled --out-dir $OUT   # H200: ~10 min
     python benchmarks/quality.py suite --tables                      # the tables of benchmarks/results/quality
 
@@ -587,43 +586,19 @@ REQUEST_SETS = {"main": (["--stream", "60", "--pairs", "16"], "quality_reference
 POOLED_SEEDS = tuple(range(2, 10))
 REQUEST_SETS.update({f"pooled{seed}": (["--stream", "120", "--pairs", "48", "--seed", str(seed)],
                                        f"pooled{seed}_reference") for seed in POOLED_SEEDS})
-LOOSE = "max_target_fraction=1.0,max_resume_fraction=0.6"
 # the product's pipeline with the refine call off and on, side by side
 PLAIN_AND_REFINE = ["--methods", "no_reuse,carnator,carnator_refine"]
 # a gate that accepts every candidate and resumes at step 12 of 20, the step that saves 40 % of the calls
 NEVER_REFUSE_12 = ["--gate", "max_hidden=2.0,max_attention=1.0,max_context=10.0,max_target_fraction=1.0,"
                    "max_resume_fraction=0.6,shrink_with_risk=false,min_saved_steps=1", *PLAIN_AND_REFINE]
-# any target share, resume up to 0.65 N, plain and refine
-LOOSE_REFINE = ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.65", *PLAIN_AND_REFINE]
 
 # name -> quality.py arguments (on the main set unless the name says replication); each runs with a fresh
-# seed per request and with one seed per session.
-RUNS = {
-    "balanced": ["--methods", "no_reuse,text_similarity,carnator,carnator_no_localize,carnator_dense"],
-    "safe": ["--risk", "safe", "--methods", "no_reuse,carnator"],
-    "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
-    "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
-    "refine": PLAIN_AND_REFINE,
-    "refine_loose_gate": LOOSE_REFINE,
-    "budget03": ["--max-density", "0.3", "--methods", "no_reuse,carnator,carnator_dense"],
-    "fixed_k7": ["--gate", "max_target_fraction=1.0,max_resume_fraction=0.35,shrink_with_risk=false",
-                 "--methods", "no_reuse,carnator"],
-    "never_refuse_12": NEVER_REFUSE_12,
-    "own_jump_11": ["--methods", "no_reuse,own_jump", "--jump-path", "11"],
-    "own_jump_7_11": ["--methods", "no_reuse,own_jump", "--jump-path", "7,11"],
-    "own_jump_7_13": ["--methods", "no_reuse,own_jump", "--jump-path", "7,13"],
-    "replication_seed1": ["--methods", "no_reuse,text_similarity,carnator"],
-    "replication_seed1_loose_refine": LOOSE_REFINE,
-    "replication_seed1_never_refuse_12": NEVER_REFUSE_12,
-}
+# seed per request and with one seed per session. On the CPU: never refusing, beside `ceiling`'s oracle.
+RUNS = {"never_refuse_12": NEVER_REFUSE_12, "replication_seed1_never_refuse_12": NEVER_REFUSE_12}
 # what a user would pick instead, per request (a plain 12- or 14-step schedule, the EasyCache rule at about 2x),
-# and Carnator (refine on, the product's default) on top of each
+# and Carnator (refine on, the product's default) on top of each, in two runs that go side by side (a pooled set's
+# seven methods take longer than one device call); `tradeoff` joins a set's runs
 STEP_CACHE = ["--step-cache-threshold", "0.05"]
-PER_REQUEST = [*STEP_CACHE, "--methods", "no_reuse,steps_12,steps_14,easycache,carnator_refine,"
-               "carnator_refine+easycache,carnator_refine+steps_14"]
-RUNS["per_request"] = PER_REQUEST
-# the same methods split in two runs that go side by side (each about half the time: a pooled set's seven methods
-# take longer than one device call); `tradeoff` joins a set's runs
 PER_REQUEST_ALONE = [*STEP_CACHE, "--methods", "no_reuse,steps_12,steps_14,easycache,carnator_refine"]
 PER_REQUEST_ON_TOP = [*STEP_CACHE, "--methods", "no_reuse,carnator_refine+easycache,carnator_refine+steps_14"]
 # pooled configuration -> quality.py arguments, run on every pooled set
@@ -634,15 +609,12 @@ POOLED_RUNS = {"default": ["--methods", "no_reuse,carnator_refine"],
                # region-only resume (off by default until this check has run with it), beside the default's hits
                "region": ["--region-max-share", "0.8", "--methods", "no_reuse,carnator_refine,carnator_region"],
                "balanced": ["--methods", "no_reuse,text_similarity,carnator"],
-               "aggressive": ["--risk", "aggressive", "--methods", "no_reuse,carnator"],
-               "loose_gate": ["--gate", LOOSE, "--methods", "no_reuse,carnator"],
                "balanced_refine": PLAIN_AND_REFINE,
                "aggressive_refine": ["--risk", "aggressive", *PLAIN_AND_REFINE],
                "never_refuse_12": NEVER_REFUSE_12,
-               "per_request": PER_REQUEST, "per_request_alone": PER_REQUEST_ALONE,
-               "per_request_on_top": PER_REQUEST_ON_TOP}
+               "per_request_alone": PER_REQUEST_ALONE, "per_request_on_top": PER_REQUEST_ON_TOP}
 RUNS.update({f"pooled{seed}_{config}": arguments for config, arguments in POOLED_RUNS.items() for seed in POOLED_SEEDS})
-FIRST = ("balanced", "replication_seed1", *(f"pooled{seed}_balanced" for seed in POOLED_SEEDS))
+FIRST = tuple(f"pooled{seed}_balanced" for seed in POOLED_SEEDS)      # with the text baseline's embeddings
 # --only takes run names or these groups; with no --only the suite runs "cpu", what RESULTS.md's CPU tables need
 GROUPS = {"pooled": [name for name in RUNS if name.startswith("pooled")],
           "cpu": [name for name in RUNS if not name.startswith("pooled")]}
@@ -729,60 +701,14 @@ def _flips(s: dict) -> str:
 
 
 def tables(out_dir: str) -> str:
-    """The markdown tables of benchmarks/RESULTS.md, from the suite's JSON files."""
-    lines = []
-    head = "| set | method | hits | calls saved | PSNR | SSIM | attr acc | wrong acc | made wrong / right (sign p) |"
-    for seeds, suffix in SEEDS:
-        results, own = _load(out_dir, "balanced" + suffix), _load(out_dir, "own_jump_11" + suffix)
-        if results is None:
-            continue
-        lines += ["", f"balanced, {seeds} seeds (`quality_balanced{suffix}.json`, own jump from `quality_own_jump_11{suffix}.json`):",
-                  "", head, "| --- " * 9 + "|"]
-        for kind, table in results.items():
-            rows = dict(table)
-            if own is not None:
-                rows["own_jump"] = own[kind]["own_jump"]
-            for method, s in rows.items():
-                lines.append(f"| {kind.split('_')[0]} | {label(method)} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
-                             f"| {s['psnr']:.1f} | {s['ssim']:.3f} | {s['attribute_accuracy']:.1%} | {s['wrong_accepts']} "
-                             f"| {_flips(s)} |")
-    lines += ["", "| gate | seeds | hits | calls saved | attr acc (no reuse) | wrong acc | made wrong / right (sign p) "
-              "| adversarial hits | adversarial acc (no reuse) | adversarial wrong acc |", "| --- " * 10 + "|"]
-    for gate, seeds, it, adv in _runs(out_dir, (("safe", "safe"), ("balanced", "balanced"), ("aggressive", "aggressive"),
-                                                ("loose_gate", "balanced + any target share, resume 0.6"),
-                                                ("budget03", "balanced, connectivity budget 0.3"),
-                                                ("fixed_k7", "balanced + any target share, always resume at 7"))):
-        s, a = it["carnator"], adv["carnator"]
-        lines.append(f"| {gate} | {seeds} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | {_accuracy(s, it)} | "
-                     f"{s['wrong_accepts']} | {_flips(s)} | {a['hit_rate']:.0%} | {_accuracy(a, adv)} | "
-                     f"{a['wrong_accepts']} |")
-    lines += ["", "| no cache: stops | seeds | calls saved | attr acc (no reuse) | made wrong / right (sign p) "
-              "| adversarial acc (no reuse) | PSNR |", "| --- " * 7 + "|"]
-    for stops, seeds, it, adv in _runs(out_dir, (("own_jump_11", "11"), ("own_jump_7_11", "7, 11"),
-                                                 ("own_jump_7_13", "7, 13"))):
-        s = it["own_jump"]
-        lines.append(f"| {stops} | {seeds} | {s['model_calls_saved']:.0%} | {_accuracy(s, it)} | {_flips(s)} | "
-                     f"{_accuracy(adv['own_jump'], adv)} | {s['psnr']:.1f} |")
-    lines += ["", "| gate | seeds | variant | hits | calls saved | PSNR | attr acc (no reuse) | wrong acc "
-              "| made wrong / right (sign p) | adversarial wrong acc |", "| --- " * 10 + "|"]
-    for gate, seeds, it, adv in _runs(out_dir, (("refine", "balanced"),
-                                                ("refine_loose_gate", "balanced + any target share, resume 0.65"),
-                                                ("never_refuse_12", "never refusing, always resume at 12"))):
-        for method, variant in (("carnator", "plain"), ("carnator_refine", "refine")):
-            s = it[method]
-            lines.append(f"| {gate} | {seeds} | {variant} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} | "
-                         f"{s['psnr']:.1f} | {_accuracy(s, it)} | {s['wrong_accepts']} | {_flips(s)} | "
-                         f"{adv[method]['wrong_accepts']} |")
-    lines += ["", "| replication run | seeds | method | hits | calls saved | attr acc (no reuse) | wrong acc "
-              "| made wrong / right (sign p) | adversarial acc (no reuse) | adversarial wrong acc |", "| --- " * 10 + "|"]
-    for gate, seeds, it, adv in _runs(out_dir, (("replication_seed1", "balanced"),
-                                                ("replication_seed1_loose_refine",
-                                                 "balanced + any target share, resume 0.65"),
-                                                ("replication_seed1_never_refuse_12",
-                                                 "never refusing, always resume at 12"))):
+    """The markdown tables of benchmarks/RESULTS.md, from the suite's JSON files (packed or one to a file)."""
+    lines = ["", "| never refusing (resume at 12): set | seeds | method | hits | calls saved | attr acc (no reuse) | wrong acc "
+             "| made wrong / right (sign p) | adversarial acc (no reuse) | adversarial wrong acc |", "| --- " * 10 + "|"]
+    for set_name, seeds, it, adv in _runs(out_dir, (("never_refuse_12", "main"),
+                                               ("replication_seed1_never_refuse_12", "replication"))):
         for method, s in it.items():
             if method != "no_reuse":
-                lines.append(f"| {gate} | {seeds} | {label(method)} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
+                lines.append(f"| {set_name} | {seeds} | {label(method)} | {s['hit_rate']:.0%} | {s['model_calls_saved']:.0%} "
                              f"| {_accuracy(s, it)} | {s['wrong_accepts']} | {_flips(s)} | "
                              f"{_accuracy(adv[method], adv)} | {adv[method]['wrong_accepts']} |")
     lines += ceiling_table(out_dir)

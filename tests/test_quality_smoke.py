@@ -38,11 +38,11 @@ def test_quality_runs_and_its_reference_cache_reproduces_a_fresh_run(tmp_path):
 
     suite = _script("quality")
     (tmp_path / "suite").mkdir()
-    (tmp_path / "suite" / "quality_balanced.json").write_text((tmp_path / "first.json").read_text())
+    (tmp_path / "suite" / "quality_never_refuse_12.json").write_text((tmp_path / "first.json").read_text())
     assert "rows" not in json.loads((tmp_path / "first.json").read_text())   # the summary alone, rows gzipped
     assert first["rows_file"] == "first.rows.json.gz" and (tmp_path / "first.rows.json.gz").exists()
     markdown = suite.tables(str(tmp_path / "suite"))
-    assert "| iteration | Carnator, refine off | " in markdown and "| adversarial | no reuse | 0% | 0% | 100.0 |" in markdown
+    assert "| main | fresh | Carnator, refine off | " in markdown
 
 
 def test_a_stale_reference_cache_is_regenerated(tmp_path, capsys):
@@ -146,10 +146,13 @@ def test_pooled_sets_add_up_with_a_paired_interval(tmp_path, capsys):
 
 def test_one_run_of_each_request_set_goes_first_to_write_its_reference_cache():
     suite = _script("quality")
-    leaders, rest = suite.stages(["refine", "pooled2_balanced_refine", "pooled2_aggressive_refine",
-                                  "pooled3_aggressive_refine", "balanced", "pooled3_balanced"])
-    assert leaders == ["balanced", "pooled3_balanced", "pooled2_balanced_refine"]
-    assert rest == ["refine", "pooled2_aggressive_refine", "pooled3_aggressive_refine"]
+    leaders, rest = suite.stages(["never_refuse_12", "pooled2_balanced_refine", "pooled2_aggressive_refine",
+                                  "pooled3_aggressive_refine", "replication_seed1_never_refuse_12", "pooled3_balanced"])
+    assert leaders == ["pooled3_balanced", "never_refuse_12", "pooled2_balanced_refine",
+                       "replication_seed1_never_refuse_12"]
+    assert rest == ["pooled2_aggressive_refine", "pooled3_aggressive_refine"]
+    assert all(suite.request_set(name) == name[:7] for name in suite.GROUPS["pooled"])
+    assert suite.GROUPS["cpu"] == ["never_refuse_12", "replication_seed1_never_refuse_12"]
 
 
 def test_each_carnator_method_names_its_refine_switch_whatever_the_default():
