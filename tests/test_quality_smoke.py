@@ -306,3 +306,11 @@ def test_the_easycache_rule_skips_model_calls_alone_and_under_carnator(tmp_path)
     assert stream["carnator_refine+easycache"]["model_calls_saved"] > 0
     with pytest.raises(ValueError, match="threshold=-1.0 must be >= 0"):
         quality.StepSkippingRunner(None, "a prompt", threshold=-1.0)
+
+
+def test_packing_names_a_missing_report_before_writing_anything(tmp_path, capsys):
+    reports = _script("reports")
+    with pytest.raises(SystemExit):
+        reports.main(["pack", str(tmp_path / "pack.json"), str(tmp_path / "missing.json")])
+    assert f"no report at {tmp_path / 'missing.json'}" in capsys.readouterr().err
+    assert not (tmp_path / "pack.json").exists()
