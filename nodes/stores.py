@@ -17,7 +17,7 @@ import uuid
 from carnator_engine.store.backends import is_redis_url, refuse_other_urls
 from carnator_engine.store.backends.farm import LOCATION_JOIN
 from carnator_engine.store.backends.redis_store import shown_url
-from carnator_engine.store.marker import check_location, inspect
+from carnator_engine.store.marker import check_location, inspect, refuse_farm_folder
 from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore, StoreError
 
 DEFAULT_SIZE_LIMIT_GB = DEFAULT_SIZE_LIMIT / (1 << 30)   # the Carnator Cache node's default, in GiB
@@ -77,7 +77,9 @@ def check_cache_dir(location: str) -> None:
     (a Redis server is not asked): the Carnator Cache node's check before any node of a prompt runs."""
     key = _key(location)
     if not is_redis_url(key):
-        inspect(check_location(key))
+        directory = check_location(key)
+        refuse_farm_folder(directory)
+        inspect(directory)
 
 
 def remembered_stores() -> dict:

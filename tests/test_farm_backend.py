@@ -305,3 +305,26 @@ def test_the_cache_browser_reopens_a_farm_after_a_restart(redis_server, blobs, t
     [entry] = routes.list_entries(reopened)["entries"]
     assert reopened.trajectory(reopened.record(entry["id"])).checkpoints[4][0, 0] == 8.0
     reopened.close()
+
+
+def test_a_farms_blob_folder_is_refused_as_a_folder_cache_and_nothing_is_written(farm_store, redis_server, blobs,
+                                                                                 tmp_path, monkeypatch):
+    """cache_dir set to a farm's blob folder (blob_dir empty) would write a folder store beside the farm's blobs,
+    and every worker of the farm would then refuse the folder: refused when the prompt is checked and when a store
+    is opened, naming the farm, with nothing written."""
+    from pathlib import Path
+    from nodes import stores
+    from test_store_marker import folder_state
+    entry = _put(farm_store, 3)
+    monkeypatch.setattr(stores, "_stores", {})
+    monkeypatch.setattr(stores, "user_directory", lambda: str(tmp_path / "user"))
+    before = folder_state(Path(blobs))
+    refused = r"is the blob folder of a farm \(store [0-9a-f]{8}\.\.\., Redis redis://.*set cache_dir to its redis://"
+    for open_it in (lambda: stores.check_cache_dir(blobs), lambda: stores.open_store(blobs, 64 << 20),
+                    lambda: CarnatorStore(blobs, 64 << 20)):
+        with pytest.raises(StoreError, match=refused):
+            open_it()
+        assert folder_state(Path(blobs)) == before
+    worker = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)    # the farm's workers still open it
+    assert bool((worker.trajectory(worker.record(entry)).checkpoints[4] == 3.0).all())
+    worker.close()

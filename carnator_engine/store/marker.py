@@ -169,6 +169,20 @@ def inspect(directory: str):
     return None
 
 
+def refuse_farm_folder(directory: str) -> None:
+    """StoreError when `directory` (an absolute path checked by check_location) is a farm's blob folder, its marker
+    naming the farm: a folder cache opened there would write its database beside the farm's blobs, and every worker
+    of that farm would then refuse the folder. Read-only."""
+    try:
+        found = read_marker(directory) if os.path.isfile(os.path.join(directory, MARKER_FILE)) else {}
+    except StoreError:
+        return                             # a damaged marker: claim and inspect say so
+    if found.get("farm"):
+        raise StoreError(f"Carnator cache {directory!r} is the blob folder of a farm (store {found['farm'][:8]}..., "
+                         f"Redis {found.get('redis', '?')}): to use that farm, set cache_dir to its redis:// URL and "
+                         "blob_dir to this folder; for a folder cache, choose another folder (nothing was written)")
+
+
 def claim(directory: str, create: bool = True, **fields) -> str:
     """The identity of the Carnator store in `directory` (an absolute path checked by check_location): read from
     its marker; a legacy store adopted (marked with its own identity); a missing or empty folder made a new store

@@ -23,7 +23,7 @@ import time
 import diskcache
 
 from ..errors import StoreError, StoreUnavailable
-from ..marker import MARKER_FILE, check_location, claim
+from ..marker import MARKER_FILE, check_location, claim, refuse_farm_folder
 from ..owned_files import owner, strip, write_whole
 
 LOG_KEEP = 100_000          # change-log records kept; a reader further behind rebuilds its index
@@ -73,6 +73,7 @@ def _advice(error: BaseException) -> str:
 class DiskBackend:
     def __init__(self, directory: str):
         directory = check_location(directory)
+        refuse_farm_folder(directory)
         self.location = directory
         self._pending_orphans = {}   # path -> bytes: orphans still in their grace period at the last sweep
         self.blob_dir = os.path.join(directory, "blobs")
