@@ -368,3 +368,158 @@ def test_files_named_like_carnators_are_kept_unless_their_content_proves_them_ou
     reopened.close()
     marker = json.loads((blobs / MARKER_FILE).read_text())
     assert marker["farm"] == reopened._backend.identity
+
+
+def _evict_at_once(url: str, blobs: str, limit: int, seed: int, ready) -> list:
+    """A worker that stores one entry, then evicts for it at the same moment as another worker (`ready`, a
+    barrier both reach once each has decided it must evict); the ids it evicted."""
+    from carnator_engine.store.eviction import EvictionQueue
+    real_first, waited = EvictionQueue.first, []
+
+    def first(self, skip=None):
+        if not waited:
+            waited.append(ready.wait(60))   # both decided: over the limit
+        return real_first(self, skip)
+    store = CarnatorStore(url, limit, blob_dir=blobs)
+    enforce = CarnatorStore.enforce_size_limit
+    CarnatorStore.enforce_size_limit = lambda self, keep=None: []   # the put alone, then both evict at once
+    entry = _put(store, seed, elems=ENTRY)
+    CarnatorStore.enforce_size_limit = enforce
+    ready.wait(60)            # both entries stored
+    EvictionQueue.first = first
+    evicted = store.enforce_size_limit(keep=entry)
+    store.close()
+    return evicted
+
+
+def test_workers_evicting_at_once_never_take_the_farm_below_its_limit(redis_server, tmp_path):
+    blobs = str(tmp_path / "blobs")
+    store = CarnatorStore(redis_server.url, 1 << 40, blob_dir=blobs)
+    kept = [_put(store, seed, elems=ENTRY) for seed in range(5)]
+    for entry in kept:                                   # each saved steps: the two new entries go first
+        store.record_hit(entry, steps_saved=5)
+    size = store.record(kept[0]).size_bytes
+    limit = int(6.5 * size)                              # the five fit; with two more, one must leave, not two
+    ready, answers = FORK.Barrier(2), FORK.Queue()
+    workers = [FORK.Process(target=lambda seed=seed: (torch.set_num_threads(1), answers.put(
+        _evict_at_once(redis_server.url, blobs, limit, seed, ready)))) for seed in (100, 101)]
+    for worker in workers:
+        worker.start()
+    evicted = [answers.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    assert sorted(len(e) for e in evicted) == [0, 1]     # one eviction made room; the other found it made
+    store.set_size_limit(1 << 40)
+    held = sum(r.size_bytes for r in store.records())
+    assert limit - size < held <= limit and set(kept) <= {r.entry_id for r in store.records()}
+    store.close()
+
+
+def test_a_worker_running_through_a_redis_rollback_forgets_the_lost_entries_and_hands_none_on(redis_server,
+                                                                                               tmp_path):
+    import shutil
+    blobs = str(tmp_path / "blobs")
+    running = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    before = [_put(running, seed) for seed in range(3)]
+    aof = os.path.join(redis_server.directory, "appendonlydir")
+    shutil.copytree(aof, str(tmp_path / "aof-then"))                       # what Redis will roll back to
+    lost = [_put(running, seed) for seed in range(3, 5)]                    # the running worker's index has them
+    redis_server.stop(kill=True)
+    shutil.rmtree(aof)
+    shutil.copytree(str(tmp_path / "aof-then"), aof)
+    redis_server.start()                                                    # rolled back: those two are gone
+    other = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    later = [_put(other, seed) for seed in range(5, 8)]                     # the log grows past the worker's cursor
+    other.close()
+    assert running.stats()["entries"] == len(before + later)
+    assert {r.entry_id for r in running.records()} == set(before + later)
+    running._unsaved = 1
+    running.close()                                                         # its snapshot, as a worker leaves
+    joining = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    assert set(joining._index.entries) == set(before + later) and not set(lost) & set(joining._index.entries)
+    joining.close()
+
+
+def _files(blobs) -> set:
+    return {n for n in os.listdir(blobs) if n != MARKER_FILE}
+
+
+def test_a_file_that_cannot_be_deleted_now_stays_listed_and_counted_until_it_can(redis_server, tmp_path,
+                                                                                   monkeypatch):
+    from carnator_engine.store import owned_files
+    share, blobs = tmp_path / "share", tmp_path / "mnt"
+    share.mkdir()
+    blobs.mkdir()
+    mounted = _mount(share, blobs)
+    try:
+        store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))
+        entries = [_put(store, seed, elems=ENTRY) for seed in range(3)]
+        files = _files(blobs)
+        monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
+        real_remove = os.remove
+
+        def read_only(path, *args, **kwargs):
+            if str(path).startswith(str(blobs)):
+                raise OSError(errno.EROFS, "Read-only file system")
+            return real_remove(path, *args, **kwargs)
+        monkeypatch.setattr(owned_files.os, "remove", read_only)          # the folder read-only for a while
+        for entry in entries:
+            store.delete(entry)
+        assert _files(blobs) == files and store.stats()["overhead_bytes"] >= 3 * ENTRY * 2
+        monkeypatch.setattr(owned_files.os, "remove", real_remove)
+        _unmount(blobs, mounted, share)                                     # then gone for a while
+        assert store._backend.collect() == (0, 0)
+        _remount(blobs, mounted, share)
+        assert _files(blobs) == files and store.stats()["overhead_bytes"] >= 3 * ENTRY * 2
+        assert store._backend.collect()[0] == 3                             # back: deleted, no longer counted
+        assert _files(blobs) == set() and store.stats()["overhead_bytes"] == 0
+        store.close()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(blobs)], capture_output=True)
+
+
+def _killed_in(url: str, blobs: str, work: str) -> None:
+    """A worker killed (SIGKILL, as by the OOM killer) in the middle of `work`: "free" deletes a released file,
+    "write" writes a blob."""
+    store = CarnatorStore(url, 64 << 20, blob_dir=blobs)
+    real_fsync, real_remove = os.fsync, os.remove
+
+    def fsync(descriptor):
+        if os.readlink(f"/proc/self/fd/{descriptor}").endswith(".blob"):
+            os.kill(os.getpid(), 9)                                         # its data half written
+        return real_fsync(descriptor)
+
+    def remove(path, *args, **kwargs):
+        if str(path).endswith(".blob"):
+            os.kill(os.getpid(), 9)                                         # about to unlink
+        return real_remove(path, *args, **kwargs)
+    if work == "free":
+        os.remove = remove
+        farm.BLOB_GRACE_SECONDS = 0
+        store._backend.collect()
+    else:
+        os.fsync = fsync
+        _put(store, 9, elems=ENTRY)
+
+
+def test_a_worker_killed_while_freeing_or_writing_strands_no_file(redis_server, tmp_path, monkeypatch):
+    import redis
+    blobs = str(tmp_path / "blobs")
+    store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    store.delete(_put(store, 8, elems=ENTRY))                               # released, in its grace period
+    for work in ("free", "write"):
+        child = FORK.Process(target=_killed_in, args=(redis_server.url, blobs, work))
+        child.start()
+        child.join(timeout=120)
+        assert child.exitcode == -9
+    assert len(_files(blobs)) == 2                                          # the released one, a half write
+    again = _put(store, 9, elems=ENTRY)                                     # the killed write's content, stored
+    monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
+    monkeypatch.setattr(farm, "ORPHAN_GRACE_SECONDS", 0)
+    reopened = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)   # the next open reclaims both
+    name = redis.Redis.from_url(redis_server.url).get(f"carnator:f:{again}").decode()
+    assert _files(blobs) == {name} and reopened.stats()["overhead_bytes"] == 0
+    assert reopened.trajectory(reopened.record(again)).checkpoints[4][0, 0] == 9.0
+    reopened.close()
+    store.close()
