@@ -130,36 +130,41 @@ def _remount(target, mounted: bool, source) -> None:
         os.rename(str(source) + ".away", target)
 
 
-def test_a_dropped_mount_is_a_fault_never_damage_and_nothing_is_written_into_the_mount_point(redis_server, tmp_path,
-                                                                                             tiny_model):
+@pytest.fixture
+def share_mount(tmp_path):
+    """(the shared folder, its mount point, whether it is bind-mounted there); unmounted at the end (if still)."""
     share, blobs = tmp_path / "share", tmp_path / "mnt"
     share.mkdir()
     blobs.mkdir()
     mounted = _mount(share, blobs)
-    try:
-        store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))
-        entries = [_put(store, seed) for seed in range(4)]
-        _unmount(blobs, mounted, share)
-        for entry in entries:
-            with pytest.raises(StoreUnavailable, match="mounted"):
-                store.trajectory(store.record(entry))
+    yield share, blobs, mounted
+    if mounted:
+        subprocess.run(["umount", str(blobs)], capture_output=True)
+
+
+def test_a_dropped_mount_is_a_fault_never_damage_and_nothing_is_written_into_the_mount_point(redis_server,
+                                                                                             share_mount, tiny_model):
+    share, blobs, mounted = share_mount
+    store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))
+    entries = [_put(store, seed) for seed in range(4)]
+    _unmount(blobs, mounted, share)
+    for entry in entries:
         with pytest.raises(StoreUnavailable, match="mounted"):
-            _put(store, 9)
-        during = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))   # a worker started meanwhile
-        runner, sigmas = TinyDiTRunner(tiny_model, "a red circle"), flow_sigmas(12)
-        noise = torch.randn(1, 3, 8, 32, 32, generator=torch.Generator().manual_seed(3))
-        result = generate(runner, noise, sigmas, during, CarnatorConfig(probe_steps=2))
-        assert result.model_calls == 12 and any("mounted" in w for w in result.warnings)
-        assert os.listdir(blobs) == []                                     # no marker, no blob in the mount point
-        _remount(blobs, mounted, share)
-        assert all(not r.corrupt for r in store.records(include_corrupt=True))
-        for entry in entries:
-            assert store.trajectory(store.record(entry)).checkpoints
-        store.close()
-        during.close()
-    finally:
-        if mounted:   # still mounted, or unmounted by the test already (then this fails, harmlessly)
-            subprocess.run(["umount", str(blobs)], capture_output=True)
+            store.trajectory(store.record(entry))
+    with pytest.raises(StoreUnavailable, match="mounted"):
+        _put(store, 9)
+    during = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))   # a worker started meanwhile
+    runner, sigmas = TinyDiTRunner(tiny_model, "a red circle"), flow_sigmas(12)
+    noise = torch.randn(1, 3, 8, 32, 32, generator=torch.Generator().manual_seed(3))
+    result = generate(runner, noise, sigmas, during, CarnatorConfig(probe_steps=2))
+    assert result.model_calls == 12 and any("mounted" in w for w in result.warnings)
+    assert os.listdir(blobs) == []                                     # no marker, no blob in the mount point
+    _remount(blobs, mounted, share)
+    assert all(not r.corrupt for r in store.records(include_corrupt=True))
+    for entry in entries:
+        assert store.trajectory(store.record(entry)).checkpoints
+    store.close()
+    during.close()
 
 
 def _tmpfs(path, size: str) -> bool:
@@ -444,39 +449,32 @@ def _files(blobs) -> set:
     return {n for n in os.listdir(blobs) if n != MARKER_FILE}
 
 
-def test_a_file_that_cannot_be_deleted_now_stays_listed_and_counted_until_it_can(redis_server, tmp_path,
+def test_a_file_that_cannot_be_deleted_now_stays_listed_and_counted_until_it_can(redis_server, share_mount,
                                                                                    monkeypatch):
     from carnator_engine.store import owned_files
-    share, blobs = tmp_path / "share", tmp_path / "mnt"
-    share.mkdir()
-    blobs.mkdir()
-    mounted = _mount(share, blobs)
-    try:
-        store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))
-        entries = [_put(store, seed, elems=ENTRY) for seed in range(3)]
-        files = _files(blobs)
-        monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
-        real_remove = os.remove
+    share, blobs, mounted = share_mount
+    store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=str(blobs))
+    entries = [_put(store, seed, elems=ENTRY) for seed in range(3)]
+    files = _files(blobs)
+    monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
+    real_remove = os.remove
 
-        def read_only(path, *args, **kwargs):
-            if str(path).startswith(str(blobs)):
-                raise OSError(errno.EROFS, "Read-only file system")
-            return real_remove(path, *args, **kwargs)
-        monkeypatch.setattr(owned_files.os, "remove", read_only)          # the folder read-only for a while
-        for entry in entries:
-            store.delete(entry)
-        assert _files(blobs) == files and store.stats()["overhead_bytes"] >= 3 * ENTRY * 2
-        monkeypatch.setattr(owned_files.os, "remove", real_remove)
-        _unmount(blobs, mounted, share)                                     # then gone for a while
-        assert store._backend.collect() == (0, 0)
-        _remount(blobs, mounted, share)
-        assert _files(blobs) == files and store.stats()["overhead_bytes"] >= 3 * ENTRY * 2
-        assert store._backend.collect()[0] == 3                             # back: deleted, no longer counted
-        assert _files(blobs) == set() and store.stats()["overhead_bytes"] == 0
-        store.close()
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(blobs)], capture_output=True)
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(blobs)):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_remove(path, *args, **kwargs)
+    monkeypatch.setattr(owned_files.os, "remove", read_only)          # the folder read-only for a while
+    for entry in entries:
+        store.delete(entry)
+    assert _files(blobs) == files and store.stats()["overhead_bytes"] >= 3 * ENTRY * 2
+    monkeypatch.setattr(owned_files.os, "remove", real_remove)
+    _unmount(blobs, mounted, share)                                     # then gone for a while
+    assert store._backend.collect() == (0, 0)
+    _remount(blobs, mounted, share)
+    assert _files(blobs) == files and store.stats()["overhead_bytes"] >= 3 * ENTRY * 2
+    assert store._backend.collect()[0] == 3                             # back: deleted, no longer counted
+    assert _files(blobs) == set() and store.stats()["overhead_bytes"] == 0
+    store.close()
 
 
 def _killed_in(url: str, blobs: str, work: str) -> None:
