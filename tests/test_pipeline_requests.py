@@ -115,3 +115,25 @@ def test_a_hit_is_replayed_through_the_staged_chain_with_the_same_settings_at_it
     assert again.decision.exact_repeat and again.decision.entry_id == hit.entry_id
     assert again.model_calls == 2 and torch.equal(again.latent, hit.latent)   # the probe's calls, nothing more
     assert again.entry_id is None and len(store.records()) == 2
+
+
+def _other(value):
+    """A different valid value of a setting."""
+    return (not value) if isinstance(value, bool) else "safe" if value == "balanced" else \
+        value + 1 if isinstance(value, int) else value * 0.9
+
+
+def test_every_setting_and_every_gate_limit_is_part_of_a_hits_replay_key():
+    from carnator_engine.gate import GatePolicy
+    from carnator_engine.pipeline import hit_replay_key
+    base = CarnatorConfig()
+    configs = [dataclasses.replace(base, **{f.name: _other(getattr(base, f.name))})
+               for f in dataclasses.fields(CarnatorConfig) if f.name != "gate_overrides"]
+    policy = base.policy()
+    configs += [dataclasses.replace(base, gate_overrides={f.name: _other(getattr(policy, f.name))})
+                for f in dataclasses.fields(GatePolicy)]
+    keys = {hit_replay_key("k", config) for config in [base] + configs}
+    assert len(keys) == 1 + len(configs)
+    # the same limits, set through overrides equal to the preset's: the same key
+    assert hit_replay_key("k", dataclasses.replace(base, gate_overrides=dataclasses.asdict(policy))) == \
+        hit_replay_key("k", base)
