@@ -171,3 +171,37 @@ def test_a_blob_replaced_by_a_folder_is_marked_corrupt_and_left_alone(store):
         store.trajectory(store.record(entry))
     assert store.record(entry).corrupt and store.shortlist("b", _signature(0), 3) == []
     assert store.delete(entry) and os.path.isdir(path)
+
+
+def test_a_file_put_in_place_of_a_blob_or_of_the_snapshot_is_never_deleted_or_overwritten(tmp_path):
+    import os
+    from carnator_engine.store.owned_files import header
+    from test_store import _age_blobs
+    directory = tmp_path / "c"
+    store = CarnatorStore(str(directory), 64 << 20)
+    entries = [_put(store, seed) for seed in range(2)]
+    marker_header = header(store._backend.identity)                 # anyone can copy it from the marker
+    path = store._backend._blob_path(entries[0])
+    os.remove(path)
+    with open(path, "wb") as handle:                                # a user's file in place of an entry's blob
+        handle.write(marker_header + b"the user's own bytes")
+    assert store.delete(entries[0])
+    assert open(path, "rb").read() == marker_header + b"the user's own bytes"
+    snapshot = directory / "index.snapshot"
+    snapshot.write_bytes(marker_header + b"the user's snapshot")     # and a user's file at the snapshot's name
+    store._save_snapshot()
+    assert snapshot.read_bytes() == marker_header + b"the user's snapshot"
+    taken = "0123456789abcdef"                                       # and one at a new entry's blob name
+    (directory / "blobs" / f"{taken}.blob").write_bytes(b"someone's")
+    with pytest.raises(StoreError, match="taken by a file this store did not write"):
+        store.put(bucket="b", prompt="p", seed=3, steps=10, probe_steps=2, signature=_signature(3),
+                  payload=store.trajectory(store.record(entries[1])), latent_shape=[1, 1, 1, 1, 1000],
+                  entry_id=taken)
+    assert (directory / "blobs" / f"{taken}.blob").read_bytes() == b"someone's"
+    store.close()
+    _age_blobs(str(directory))
+    reopened = CarnatorStore(str(directory), 64 << 20)              # named like orphans, old: still not ours
+    assert reopened.orphans_reclaimed == 0
+    assert open(path, "rb").read() == marker_header + b"the user's own bytes"
+    assert reopened.trajectory(reopened.record(entries[1])).checkpoints
+    reopened.close()

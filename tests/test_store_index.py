@@ -88,10 +88,10 @@ def test_an_open_reads_no_entry_to_find_orphan_blobs(tmp_path, monkeypatch):
     directory = str(tmp_path / "c")
     store = CarnatorStore(directory, 64 << 20)
     kept = [_put(store, seed) for seed in range(3)]
-    identity = store._backend.identity
+    store._backend._cache.set("k:0123456789abcdef", "5" * 32)   # a write's nonce, recorded before it crashed
     store.close()
     with open(os.path.join(directory, "blobs", "0123456789abcdef.blob"), "wb") as orphan:
-        orphan.write(header(identity) + b"left by a crash")
+        orphan.write(header("5" * 32) + b"left by a crash")
     _age_blobs(directory)
     read, real = [], DiskBackend.meta
 

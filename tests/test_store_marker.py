@@ -21,6 +21,8 @@ def test_user_files_in_blobs_of_a_store_survive_every_open_and_delete(tmp_path):
     directory = tmp_path / "c"
     store = CarnatorStore(str(directory), 64 << 20)
     kept = _put(store, 0)
+    store._backend._cache.set("k:0000000000000001", "5" * 32)   # a write's nonce, recorded before it crashed
+    secret = store._backend._secret
     store.close()
     blobs = directory / "blobs"
     users = [blobs / "holiday.jpg", blobs / "0123456789abcdef.blob.bak", blobs / "notes.blob",
@@ -29,15 +31,20 @@ def test_user_files_in_blobs_of_a_store_survive_every_open_and_delete(tmp_path):
         _old_file(path)
     (blobs / "0123456789abcdef.blob").mkdir()                 # a folder at an entry's name is not a file to delete
     (blobs / "0123456789abcdef.blob" / "inside.txt").write_bytes(b"user data")
-    # Named exactly like Carnator's files and older than any grace period, but without the header that names
-    # this store: a name is no proof, so they stay.
+    # Named exactly like Carnator's files and older than any grace period, but without the header that holds what
+    # the store recorded for them (a header copied from the marker is no proof either): a name is no proof, so
+    # they stay.
     users += [_old_file(blobs / "fedcba9876543210.blob"), _old_file(blobs / "fedcba9876543211.blob.0123abcd.tmp"),
               _old_file(directory / "index.snapshot.0123abcd.tmp"), _old_file(directory / "space.reserve.4567cdef.tmp")]
-    orphan = _old_file(blobs / "0000000000000001.blob", header(store._backend.identity) + b"left by a crash")
-    temporary = _old_file(blobs / "0000000000000002.blob.89abcdef.tmp", header(store._backend.identity))
+    copied = [_old_file(blobs / "0000000000000002.blob", header(store._backend.identity) + b"user data"),
+              _old_file(blobs / "0000000000000003.blob.89abcdef.tmp", header(store._backend.identity) + b"user data")]
+    orphan = _old_file(blobs / "0000000000000001.blob", header("5" * 32) + b"left by a crash")
+    temporary = _old_file(directory / "index.snapshot.89abcdef.tmp", header(secret) + b"a snapshot's write")
     reopened = CarnatorStore(str(directory), 64 << 20)
     assert reopened.orphans_reclaimed == 2 and not orphan.exists() and not temporary.exists()   # Carnator's own go
     assert all(path.read_bytes() == b"user data" for path in users)
+    assert all(path.read_bytes().endswith(b"user data") for path in copied)
+    users += copied
     assert (blobs / "0123456789abcdef.blob" / "inside.txt").exists()
     reopened.delete(kept)
     reopened.clear()

@@ -8,7 +8,12 @@ removal first and unlinks the file after. A crash in between leaves an orphan fi
 Keys are text: "m:<id>" metadata, "s:<id>" signature, "t:<id>" thumbnail, "l:<n>" change log, "seq" its head,
 "store" the store's identity. The index snapshot is the file index.snapshot, written like a blob.
 The folder is opened only as a marked Carnator store (marker.py), and only files under the names this module
-writes are ever removed from it.
+writes are ever removed from it, and only when their header proves them this store's: a blob's header holds a
+nonce recorded in cache.db ("k:<id>") before the blob was written, the index snapshot's a secret kept in cache.db
+("secret"), neither of which the folder shows (a header copied from the marker proves nothing). A blob is created
+with O_EXCL: a file someone put at a new entry's name is never overwritten, and one put in place of an entry's
+blob is never deleted. Blobs written before the nonces carry the marker's identity instead: those are deleted with
+their entry, never as orphans.
 """
 from __future__ import annotations
 
@@ -19,12 +24,14 @@ import re
 import shutil
 import sqlite3
 import time
+import uuid
 
 import diskcache
 
 from ..errors import StoreError, StoreUnavailable
 from ..marker import MARKER_FILE, check_location, claim, refuse_farm_folder
-from ..owned_files import owner, strip, write_whole
+from .. import index_snapshot
+from ..owned_files import HEADER_BYTES, create_new, owner, remove_own, strip, write_whole
 
 LOG_KEEP = 100_000          # change-log records kept; a reader further behind rebuilds its index
 ORPHAN_GRACE_SECONDS = 600  # a blob without metadata younger than this may be another process's write in flight
@@ -38,8 +45,7 @@ RESERVE_BYTES = 256 << 10
 # The only names Carnator writes (and so the only ones it deletes): an entry's blob, a write's temporary file.
 ENTRY_ID = re.compile(r"[0-9a-f]{16}")
 BLOB_NAME = re.compile(r"([0-9a-f]{16})\.blob")
-TEMPORARY = r"\.[0-9a-f]{8}\.tmp"     # what _write_file appends to a final name while it writes
-BLOB_TEMPORARY = re.compile(r"([0-9a-f]{16})\.blob" + TEMPORARY)
+TEMPORARY = r"\.[0-9a-f]{8}\.tmp"     # what write_whole appends to a final name while it writes
 ROOT_TEMPORARY = re.compile(f"({re.escape(SNAPSHOT_FILE)}|{re.escape(RESERVE_FILE)})" + TEMPORARY)
 SCAN_BATCH = 1000           # metadata rows held at once while listing (a rebuild's memory stays small)
 
@@ -104,6 +110,13 @@ class DiskBackend:
             cache.get("seq")    # a damaged database fails here, not mid-request
             return cache
         self._cache = self._guard("open", lambda: self._with_room(open_database))
+        self._secret = self._guard("open", lambda: self._cache.get("secret"))
+        if self._secret is None:
+            try:
+                self._cache.add("secret", uuid.uuid4().hex)
+                self._secret = self._cache.get("secret")
+            except (OSError, sqlite3.Error, diskcache.Timeout):
+                pass   # a full disk: no snapshot is written until there is room
         self._keep_reserve()
         self.identity = self._guard("open", lambda: self._cache.get("store"))
         if self.identity is None:
@@ -120,20 +133,16 @@ class DiskBackend:
         except (OSError, sqlite3.Error) as error:
             if not _disk_full(error, self.location):
                 raise
-            try:
-                os.remove(os.path.join(self.location, RESERVE_FILE))
-            except FileNotFoundError:
-                raise error from None
+            if not remove_own(os.path.join(self.location, RESERVE_FILE), self._owner):
+                raise error from None   # no reserve, or someone's file under its name
             return work()
 
     def _keep_reserve(self) -> None:
         """Best effort: the reserve written back where it is missing (nothing lost if the disk has no room)."""
-        path = os.path.join(self.location, RESERVE_FILE)
-        if not os.path.exists(path):
-            try:
-                self._write_file(path, bytes(RESERVE_BYTES))
-            except OSError:
-                pass
+        try:
+            create_new(os.path.join(self.location, RESERVE_FILE), bytes(RESERVE_BYTES), self._owner)
+        except OSError:
+            pass   # there already (or someone's file at its name), or no room
 
     def _guard(self, action: str, work):
         try:
@@ -158,12 +167,20 @@ class DiskBackend:
         self._cache.set(f"l:{seq}", f"{op} {entry_id}")
         self._cache.delete(f"l:{seq - LOG_KEEP}")
 
-    def _write_file(self, final: str, data: bytes) -> None:
-        """Whole or not at all, after the header that proves the file is this store's (owned_files.py)."""
-        write_whole(final, data, self._owner)
-
     def _write_blob(self, entry_id: str, blob: bytes) -> None:
-        self._write_file(self._blob_path(entry_id), blob)
+        """The blob in a new file, its nonce recorded first (a crash after that leaves a file the orphan sweep can
+        prove its own)."""
+        path, nonce = self._blob_path(entry_id), uuid.uuid4().hex
+        self._cache.set(f"k:{entry_id}", nonce)
+        try:
+            create_new(path, blob, nonce)
+        except FileExistsError:
+            self._cache.delete(f"k:{entry_id}")
+            raise StoreError(f"Carnator cache {self.location!r}: {path} is taken by a file this store did not write "
+                             "(left alone): move it away; the entry was not stored") from None
+        except BaseException:
+            self._cache.delete(f"k:{entry_id}")
+            raise
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
         def work():
@@ -209,16 +226,19 @@ class DiskBackend:
         return ("evicted" if self.remove(entry_id) else "gone"), None
 
     def _unlink(self, entry_id: str) -> None:
-        """Removes an entry's blob file; anything else at its name (a folder someone put there) is left alone."""
+        """Removes an entry's blob file when its header proves it the one this store wrote there (its recorded
+        nonce; a blob from before the nonces: the marker's identity), then the record. Anything else at its name (a
+        file or folder someone put there) is left alone; an unlink that fails keeps the record, for the orphan
+        sweep to try again."""
         if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):
             return
-        path = self._blob_path(entry_id)
-        if os.path.isdir(path) and not os.path.islink(path):
-            return
+        path, nonce = self._blob_path(entry_id), self._cache.get(f"k:{entry_id}")
         try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
+            remove_own(path, nonce if nonce is not None else self._owner)
+        except OSError:
+            return
+        if nonce is not None:
+            self._cache.delete(f"k:{entry_id}")
 
     def clear(self) -> None:
         def work():
@@ -370,10 +390,10 @@ class DiskBackend:
 
     def reclaim_orphans(self) -> tuple:
         """Blob files no metadata refers to (a crash between a blob's write and its commit, or between a delete's
-        commit and its unlink), and temporary files of interrupted writes, older than the grace period; younger
-        ones are counted in overhead_bytes until a later sweep takes them. Only regular files under Carnator's own
-        names (BLOB_NAME, the temporaries) whose header names this store (owned_files.py) are ever removed:
-        anything else is left alone, whatever its name or age.
+        commit and its unlink), and temporary files of interrupted snapshot writes, older than the grace period;
+        younger ones are counted in overhead_bytes until a later sweep takes them. Only regular files under
+        Carnator's own names whose header holds what cache.db recorded for them (a blob's nonce, the snapshot's
+        secret) are ever removed: anything else is left alone, whatever its name, age or header.
         Which ids have metadata is one scan of the keys (0.15 s at 100k entries), not a read per blob (2.5 s at
         every open, page cache warm); a blob that looks orphaned is checked by its own key once more, since
         another process may have committed its entry after the scan."""
@@ -381,8 +401,8 @@ class DiskBackend:
         found = []   # (file, the id of the entry it is the blob of, or None for a temporary file)
         for item in os.scandir(self.blob_dir):
             blob = BLOB_NAME.fullmatch(item.name)
-            if blob or BLOB_TEMPORARY.fullmatch(item.name):
-                found.append((item, blob.group(1) if blob else None))
+            if blob:
+                found.append((item, blob.group(1)))
         found += [(item, None) for item in os.scandir(self.location) if ROOT_TEMPORARY.fullmatch(item.name)]
         count = freed = 0
         pending = {}
@@ -396,13 +416,17 @@ class DiskBackend:
                 stat = item.stat(follow_symlinks=False)
                 if entry_id is not None and self.meta(entry_id) is not None:
                     continue
-                if owner(item.path) != self._owner:
-                    continue   # a name is no proof: only a file whose header names this store is ours
+                secret = self._secret if entry_id is None else self._cache.get(f"k:{entry_id}")
+                if secret is None or owner(item.path) != secret:
+                    continue   # a name is no proof, nor a header anyone could copy: only the recorded secret
                 if stat.st_mtime > cutoff:
                     pending[item.path] = stat.st_size  # maybe a write in flight: counted, not yet removed
                     continue
-                os.remove(item.path)
-            except (OSError, StoreError):
+                if not remove_own(item.path, secret):
+                    continue
+                if entry_id is not None:
+                    self._cache.delete(f"k:{entry_id}")
+            except (OSError, StoreError, sqlite3.Error, diskcache.Timeout):
                 continue
             count, freed = count + 1, freed + stat.st_size
         self._pending_orphans = pending
@@ -420,8 +444,23 @@ class DiskBackend:
         return self._guard("read its index snapshot", work)
 
     def save_snapshot(self, data: bytes) -> None:
-        self._guard("write its index snapshot",
-                    lambda: self._write_file(os.path.join(self.location, SNAPSHOT_FILE), data))
+        """Replaces the snapshot only where what is there is this store's (its secret in the header; from before
+        the secret: the marker's identity, then a snapshot) or nothing: never a file someone put at its name."""
+        path = os.path.join(self.location, SNAPSHOT_FILE)
+        if self._secret is None:
+            raise StoreError(f"Carnator cache {self.location!r} could not write its index snapshot: no room yet")
+        if os.path.lexists(path) and owner(path) != self._secret and not self._legacy_snapshot(path):
+            raise StoreError(f"Carnator cache {self.location!r}: {path} is not this store's snapshot (left alone): "
+                             "move it away")
+        self._guard("write its index snapshot", lambda: write_whole(path, data, self._secret))
+
+    def _legacy_snapshot(self, path: str) -> bool:
+        try:
+            with open(path, "rb") as handle:
+                start = handle.read(HEADER_BYTES + len(index_snapshot.MAGIC))
+        except OSError:
+            return False
+        return owner(path) == self._owner and start[HEADER_BYTES:] == index_snapshot.MAGIC
 
     def close(self) -> None:
         self._cache.close()
