@@ -243,10 +243,15 @@ def run(args):
         found = {}
         shares = args.region_shares if shares is None else shares
         if shares and "region_warm_up_s" not in out:
-            with timed() as span:
-                region_hits(runner, store, config, noise, runner.sigmas, k, args.seed, shares[:1], log,
-                            lambda latent: {}, " (warm-up)")
-            out["region_warm_up_s"] = span["seconds"]
+            out["region_warm_up_s"] = None
+            try:
+                with timed() as span:
+                    region_hits(runner, store, config, noise, runner.sigmas, k, args.seed, shares[:1], log,
+                                lambda latent: {}, " (warm-up)")
+                out["region_warm_up_s"] = span["seconds"]
+            except Exception:
+                out.setdefault("region_errors", {})["warm-up"] = traceback.format_exc()
+                log(f"region warm-up FAILED:\n{traceback.format_exc()}")
         for share in shares:
             calls[0] = 0
             try:

@@ -369,6 +369,7 @@ def carnator_hit(runner, store, config, noise, sigmas, resume_step, seed, target
         decision.reasons.append(f"benchmark: resume step forced from {gate_step} to {resume_step}")
     if target_share is not None:
         decision.target_cells = forced_target(runner.layout, probed.latent.shape, target_share)
+        decision.cell_map = None      # the forced target alone: nothing added where the random weights differ
         decision.reasons.append(f"benchmark: target region forced to {target_share:.0%} of the tokens")
     with warnings.catch_warnings(record=True) as caught, timed() as resume_span:
         warnings.simplefilter("always")

@@ -21,27 +21,25 @@ def target_cells(cell_map: torch.Tensor, threshold: float, dilation: int = 1) ->
     return cells[0, 0] > 0
 
 
-def region_cells(cell_map: torch.Tensor, cells: torch.Tensor, mass: float, dilation: int = 1) -> torch.Tensor:
-    """The target of a region-only resume: `cells` (the gate's, above its absolute threshold) and the fewest cells
-    that hold `mass` of the early estimates' squared difference, dilated as target_cells does. An absolute threshold
-    does not carry across models (on one a nudged request differs by 0.1 everywhere, marking nothing; on another by
-    more than it everywhere); the share of the difference does, so the target is where this request differs most,
-    whatever the model's scale. A difference spread evenly gives a large target (over the region-only limit: whole-clip
-    resume), one concentrated in a region gives that region."""
+def region_cells(cell_map: torch.Tensor, mass: float, dilation: int = 1) -> torch.Tensor:
+    """The fewest cells that hold `mass` of the early estimates' squared difference, dilated as target_cells does:
+    what a region-only resume adds to the gate's target cells. An absolute threshold does not carry across models
+    (on one a nudged request differs by 0.1 everywhere, marking nothing; on another by more than it everywhere); the
+    share of the difference does, so the target is where this request differs most, whatever the model's scale. A
+    difference spread evenly gives a large target (over the region-only limit: whole-clip resume), one concentrated
+    in a region gives that region; none at all (or mass 0) gives no cell."""
     if not 0.0 <= mass <= 1.0:
         raise ValueError(f"region target mass must be in [0, 1], got {mass}")
     squared = cell_map.float().flatten().pow(2)
     total = float(squared.sum())
-    if mass == 0 or not total > 0:
-        return cells.bool()
-    values, order = squared.sort(descending=True)
-    count = int((values.cumsum(0) < mass * total).sum()) + 1
     top = torch.zeros_like(squared, dtype=torch.bool)
-    top[order[:count]] = True
+    if mass > 0 and total > 0:
+        values, order = squared.sort(descending=True)
+        top[order[:int((values.cumsum(0) < mass * total).sum()) + 1]] = True
     marked = top.reshape(cell_map.shape).float()[None, None]
     if dilation > 0:
         marked = F.max_pool3d(marked, kernel_size=2 * dilation + 1, stride=1, padding=dilation)
-    return cells.bool() | (marked[0, 0] > 0)
+    return marked[0, 0] > 0
 
 
 def latent_mask(cells: torch.Tensor, latent_fhw) -> torch.Tensor:

@@ -104,10 +104,12 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
         decision = dataclasses.replace(_with_reason(decision, reason, {}),
                                        region="whole clip: the cached generation has no usable final latent")
         return decision, None, reason
-    cells = decision.target_cells
-    if decision.cell_map is not None and cells is not None:
-        cells = region_cells(decision.cell_map, cells, config.region_target_mass)
-    tokens = target_tokens(runner.layout, latent_mask(cells, fhw), REGION_HALO)
+    # the gate's target cells and the cells holding most of the difference, joined over the latent (the two may
+    # come on different grids: a benchmark forces a target over the latent itself)
+    cells = latent_mask(decision.target_cells, fhw)
+    if decision.cell_map is not None:
+        cells = cells | latent_mask(region_cells(decision.cell_map, config.region_target_mass), fhw)
+    tokens = target_tokens(runner.layout, cells, REGION_HALO)
     share = float(tokens.float().mean())
     full = _full_steps(runner, decision, config)
     tail = min(config.region_full_steps, decision.steps - decision.resume_step - 1)

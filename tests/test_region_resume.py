@@ -255,21 +255,34 @@ def test_a_step_cache_starts_afresh_after_the_region_steps(tiny_model, store, mo
 
 def test_the_region_target_holds_most_of_the_difference_whatever_the_models_scale():
     from carnator_engine.localize import region_cells
-    none = torch.zeros(4, 8, 8, dtype=torch.bool)
     spot = torch.full((4, 8, 8), 0.1)
     spot[1:3, 5:7, 5:7] = 1.0                                    # one region differs, the rest a little
-    cells = region_cells(spot, none, mass=0.7)
+    cells = region_cells(spot, mass=0.7)
     assert cells[1:3, 5:7, 5:7].all() and 0 < cells.float().mean() < 0.5     # that region and its one-cell ring
-    assert torch.equal(region_cells(spot * 0.01, none, 0.7), cells)       # a model of another scale: the same
+    assert torch.equal(region_cells(spot * 0.01, 0.7), cells)             # a model of another scale: the same
     even = torch.full((4, 8, 8), 0.115)                           # spread evenly: most of the clip, not all of it
-    assert 0.5 < region_cells(even, none, 0.7, dilation=0).float().mean() < 0.75
-    gate = torch.zeros_like(none)
-    gate[0, 0, 0] = True
-    assert region_cells(spot, gate, 0.7)[0, 0, 0]                 # the gate's own cells stay in the target
-    assert torch.equal(region_cells(spot, gate, 0.0), gate)        # mass 0: the gate's cells alone
-    assert torch.equal(region_cells(torch.zeros(4, 8, 8), gate, 0.7), gate)   # no difference at all
+    assert 0.5 < region_cells(even, 0.7, dilation=0).float().mean() < 0.75
+    assert not region_cells(spot, 0.0).any() and not region_cells(torch.zeros(4, 8, 8), 0.7).any()
     with pytest.raises(ValueError, match=r"region_target_mass=1.5 must be in \[0, 1\]"):
         CarnatorConfig(region_target_mass=1.5).validate(10)
+
+
+def test_the_region_joins_the_gates_cells_and_the_difference_on_any_grid(tiny_model, store):
+    """The gate's target may come over the latent itself (a benchmark forces one) while the difference is on the
+    signature's coarse grid: the region joins them over the latent."""
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    payload = store.trajectory(store.record(decision.entry_id))
+    fhw = tuple(probed.latent.shape[-3:])
+    corner = torch.zeros(fhw, dtype=torch.bool)                   # over the latent: (8, 32, 32)
+    corner[:, :4, :4] = True
+    spot = torch.zeros(decision.cell_map.shape)                    # on the coarse grid: the other corner
+    spot[:, -1, -1] = 1.0
+    assert corner.shape != spot.shape
+    planned, region, _ = resume_stage.plan_region(
+        runner, probed, dataclasses.replace(decision, target_cells=corner, cell_map=spot), payload, config)
+    assert region is not None and planned.target_cells.shape == fhw
+    assert planned.target_cells[:, :4, :4].all() and planned.target_cells[:, -1, -1].all()
+    assert not planned.target_cells[:, 12:20, 12:20].any()
 
 
 def test_the_node_says_how_a_hit_resumed_and_what_it_expects(tiny_model, store):
