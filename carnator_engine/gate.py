@@ -25,8 +25,8 @@ import torch
 
 from . import few_step_gate
 from .localize import target_cells
+from .settings import RISK_LEVELS
 
-RISK_LEVELS = ("safe", "balanced", "aggressive")
 FEW_STEPS = 8   # schedules this short are step-distilled ones: their first step's x0-hat already shows the layout
 
 

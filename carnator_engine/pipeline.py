@@ -29,7 +29,8 @@ import torch
 
 from . import gate as gate_module
 from . import resume as resume_stage
-from .store.index import Candidate, bucket_difference, bucket_key, bucket_parts, nearest
+from .store.index import (HELD_BUCKET, Candidate, bucket_difference, bucket_key, bucket_parts,
+                          incomparable_bucket, nearest)
 from .observer import CheckpointRecorder, GenerationObserver
 from .preview import thumbnail_png
 from .resume import follow_entry
@@ -344,12 +345,12 @@ def lookup(store: CarnatorStore, probed: ProbeResult, config: CarnatorConfig) ->
 
 
 def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
-    """For a request whose bucket holds no entry: which part of it (model, shape, steps, ...) differs from the
-    nearest cached generation's. Empty when the bucket has entries (then the gate's reasons say why none fit), and
-    when the store cannot be read (the lookup has reported that)."""
+    """For a request the lookup found no candidate for: which part of it (model, shape, steps, ...) differs from the
+    nearest cached generation's when its bucket holds no entry; why the bucket's entries could not be compared when
+    it does (another probe length). Empty when the store cannot be read (the lookup has reported that)."""
     def work():
         if store.holds_bucket(probed.bucket):
-            return []
+            return [incomparable_bucket(store, probed.bucket, probed.signature, probed.probe_steps)]
         return [bucket_difference(store, probed.bucket_parts)]
     return _read(store, "explaining the miss", work, [], probed)
 
@@ -373,8 +374,9 @@ def decide(probed: ProbeResult, candidates: list, config: CarnatorConfig,
                                              "be compared with this request, which is generated in full"])
     decision = gate_module.decide(candidates, probed.steps, probed.probe_steps, config.policy(), config.risk,
                                   probed.model_text)
-    if not candidates and bucket_reasons:
-        decision = dataclasses.replace(decision, reasons=decision.reasons + list(bucket_reasons))
+    if not candidates and bucket_reasons:    # the bucket's entries, not comparable: its own reason replaces "none"
+        held = bucket_reasons[0].startswith(HELD_BUCKET)
+        decision = dataclasses.replace(decision, reasons=([] if held else decision.reasons) + list(bucket_reasons))
     return decision
 
 

@@ -114,10 +114,12 @@ ENABLE_SKIPPED = ("COMFYUI_PATH=/path/to/ComfyUI python -m pytest -q tests (READ
 def pytest_terminal_summary(terminalreporter):
     for line in _SKIPPED_MODULES:
         terminalreporter.write_line(f"FAILED (CARNATOR_REQUIRE_ALL_TESTS=1, module skipped) {line}", red=True)
-    skipped = [r for r in terminalreporter.stats.get("skipped", []) if GPU_SKIP_REASON not in _skip_reason(r)]
+    skipped = terminalreporter.stats.get("skipped", [])
+    gpu = sum(GPU_SKIP_REASON in _skip_reason(r) for r in skipped)
+    parts = ([f"{len(skipped) - gpu} for a missing host, browser, Redis or package (to run them: {ENABLE_SKIPPED})"]
+             if len(skipped) > gpu else []) + ([f"{gpu} that need a CUDA GPU"] if gpu else [])
     if skipped:
-        terminalreporter.write_line(f"{len(skipped)} tests skipped for a missing host, browser, Redis or package; "
-                                    f"to run them: {ENABLE_SKIPPED}", yellow=True)
+        terminalreporter.write_line(f"{len(skipped)} tests skipped: {', '.join(parts)}", yellow=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

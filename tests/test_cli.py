@@ -93,12 +93,23 @@ def test_demo_checks_its_outputs_before_any_work_and_leaves_no_cache_behind(tmp_
     a_file.write_text("mine")
     cases = [(["--json", str(tmp_path / "missing" / "out.json")], "--json"),
              (["--out", str(a_file / "frames")], "--out"),
-             (["--steps", "2", "--probe-steps", "3"], "probe_steps=3 must be between 1 and steps-1")]
+             (["--steps", "2", "--probe-steps", "3"], "--probe-steps 3 must be below --steps (2)"),
+             (["--json", "/dev/full"], "--json /dev/full is not a regular file"),
+             (["--json", "/proc/carnator.json"], "--json /proc/carnator.json: cannot write there"),
+             (["--json", ""], "--json is empty"),
+             (["--json", str(tmp_path / ("x" * 300))], "pass a shorter path"),
+             (["--out", ""], "--out is empty"),
+             (["--out", str(tmp_path / ("x" * 300) / "frames")], "pass a shorter path"),
+             (["--cache", ""], "--cache is empty"),
+             (["--weights", "/"], "--weights / is a folder, not a checkpoint file"),
+             (["--weights", ""], "--weights is empty")]
     for flags, named in cases:
         assert cli.main(["demo", "--out", str(tmp_path / "frames")] + flags) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and named in err and err.count("\n") == 1
+        assert err.startswith("error: ") and named in err and err.count("\n") == 1, err
+        assert "permissions" not in err
     assert list(temporary.iterdir()) == [] and not (tmp_path / "missing").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "tmp"]     # no frames, no trial files left
     assert a_file.read_text() == "mine" and not (tmp_path / "frames").exists()
 
 
@@ -347,3 +358,142 @@ def test_a_session_with_no_hit_says_why_in_the_right_words():
 def test_a_nul_byte_in_the_cache_path_is_named_not_a_bare_value_error(tmp_path, capsys):
     assert cli.main(["demo", "--cache", str(tmp_path / "ca\x00che"), "--steps", "2", "--probe-steps", "1"]) == 2
     assert "holds a NUL character" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def _cli_in_a_fresh_python(argv_list: list) -> list:
+    """[(exit status, stderr, whether torch was imported)] of each argv, run by main() in one new interpreter."""
+    import json
+    import subprocess
+    import sys
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from carnator_engine.__main__ import main\n"
+        "out = []\n"
+        f"for argv in {argv_list!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        try:\n"
+        "            code = main(argv)\n"
+        "        except SystemExit as exit:\n"
+        "            code = exit.code\n"
+        "    out.append([code, err.getvalue(), 'torch' in sys.modules])\n"
+        "print(json.dumps(out))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def test_help_and_argument_errors_answer_without_importing_torch(tmp_path):
+    """torch takes seconds to import on a small machine: --help and a bad argument are answered before it."""
+    cases = [["--help"], ["demo", "--help"], ["stats", "--help"], [], ["demo", "--steps", "0"],
+             ["demo", "--bogus"], ["demo", "--steps", "4", "--probe-steps", "5"], ["demo", "--json", "/dev/full"],
+             ["demo", "--out", ""], ["demo", "--weights", "/"], ["clear", "--cache", ""], ["stats", "--cache", ""]]
+    for argv, (code, err, imported) in zip(cases, _cli_in_a_fresh_python(cases)):
+        assert not imported, f"{argv} imported torch"
+        assert code == (0 if "--help" in argv else 2), (argv, code, err)
+        assert err.count("\n") == (0 if "--help" in argv else 1), (argv, err)
+
+
+def test_a_missing_or_unknown_command_suggests_the_right_one(capsys):
+    for argv in ([], ["demo", "--bogus"]):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        assert exited.value.code == 2
+    no_command, unknown_flag = capsys.readouterr().err.splitlines()
+    assert no_command.startswith("error: no command given: python -m carnator_engine demo runs the demo")
+    assert "carnator_engine carnator_engine" not in no_command
+    assert unknown_flag.endswith("(python -m carnator_engine demo --help lists the options)"), unknown_flag
+
+
+def test_stats_and_clear_refuse_an_empty_cache_path_by_name(capsys):
+    for command in (["stats"], ["clear", "--yes"]):
+        assert cli.main(command + ["--cache", ""]) == 2
+        assert capsys.readouterr().err == "error: --cache is empty: pass the folder of an existing cache, or its " \
+                                          "redis:// URL\n"
+
+
+def test_a_cache_path_too_long_for_the_filesystem_says_so(tmp_path, capsys):
+    assert cli.main(["stats", "--cache", str(tmp_path / ("x" * 300))]) in (1, 2)
+    err = capsys.readouterr().err
+    assert "permissions" not in err and err.count("\n") == 1
+    assert cli.main(["demo", "--cache", str(tmp_path / ("x" * 300)), "--out", str(tmp_path / "f"), "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "longer than the filesystem allows: choose a shorter cache path" in err and "permissions" not in err
+
+
+def test_a_cache_that_cannot_be_reached_is_refused_before_the_session(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("carnator_engine.__main__._demo_session", lambda *a: pytest.fail("ran the session"))
+    assert cli.main(["demo", "--cache", "redis://127.0.0.1:1/0", "--out", str(tmp_path / "f"), "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --cache redis://127.0.0.1:1/0 cannot be used now (") and err.count("\n") == 1, err
+    assert "nothing comparable" not in err
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+def test_ctrl_c_at_any_moment_is_one_line_even_while_torch_imports(tmp_path, delay):
+    """SIGINT to a fresh `python -m carnator_engine demo` lands while Python imports torch (seconds here): one line
+    and exit status 130, no traceback, and never swallowed by a library's bare `except` on the way (the demo then
+    ran to its end). Later, in the session, test_ctrl_c_is_one_line... covers it."""
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    process = subprocess.Popen([sys.executable, "-m", "carnator_engine", "demo", "--out", str(tmp_path / "f")],
+                               cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 130 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("interrupted"), err
+
+
+def test_the_demo_states_a_speed_ratio_only_for_steady_timings_and_always_the_model_calls():
+    from carnator_engine.demo.session import Timed, hit_timing_words, row_speedup, steady_ratio
+    quiet = Timed(wall=1.02, cpu=1.0)
+    shared = Timed(wall=2.5, cpu=1.0)                 # waited for the CPU more than half of the time
+    assert row_speedup(Timed(1.3, 1.28), quiet) == "1.3x" and row_speedup(shared, quiet) == "busy"
+    plain = [Timed(1.30, 1.20), Timed(1.25, 1.22), Timed(1.40, 1.24)]
+    hit = [Timed(0.95, 0.90), Timed(0.93, 0.91), Timed(0.99, 0.92)]
+    ratio = steady_ratio(plain, hit)
+    assert ratio == pytest.approx(1.22 / 0.91)
+    said, captions = hit_timing_words(plain, hit, ratio, 15, 20, 3, "load average 4.0 on 2 cores")
+    assert said.startswith("0.91 s against 1.22 s for the plain sampler (1.3x faster; median CPU time of 3")
+    assert "include waiting for other programs: load average 4.0" in said and said.endswith("15 model calls of 20")
+    assert captions[1] == "Carnator hit: 15 model calls, 0.91 s CPU time (1.3x faster)"
+    scattered = [Timed(0.9, 0.9), Timed(1.2, 1.2), Timed(0.91, 0.91)]
+    assert steady_ratio(plain, scattered) is None and steady_ratio(plain[:1], hit[:1]) is None
+    said, captions = hit_timing_words(plain, scattered, None, 15, 20, 3, "load average 4.0 on 2 cores")
+    assert said == ("15 model calls of 20; no speed ratio stated: the 3 timed runs of each varied by more than 10% "
+                    "(load average 4.0 on 2 cores), so a ratio would be noise")
+    assert captions == ("plain sampler: 20 model calls", "Carnator hit: 15 model calls")
+    assert "faster" not in said and "slower" not in said
+
+
+def test_a_miss_names_the_store_fault_the_failed_writes_or_the_evictions_that_emptied_the_cache():
+    from types import SimpleNamespace
+    from carnator_engine.demo.session import miss_in_plain_words
+    from carnator_engine.gate import policy_for
+    from carnator_engine.store import StoreError
+
+    class Store:
+        def __init__(self, present):
+            self.present = present
+
+        def record(self, entry_id):
+            if entry_id not in self.present:
+                raise StoreError(f"no cache entry {entry_id!r} (deleted or evicted?)")
+    nothing_compared = SimpleNamespace(numbers={}, reasons=["the cache could not be read (the warning says why)"],
+                                       reuse=False)
+    fault = SimpleNamespace(warnings=["the cache lookup failed (Redis connection refused): generated in full"])
+    quiet = SimpleNamespace(warnings=[])
+    cases = [(fault, [], [], Store({"a"}), "the cache could not be used: the cache lookup failed (Redis connection"),
+             (quiet, ["a"], ["this generation needs 2.0 MiB but the cache size limit is 1.0 MiB"], Store({"a"}),
+              "the earlier generations could not be stored (this generation needs 2.0 MiB"),
+             (quiet, ["a", "b"], [], Store(set()), "2 earlier generations of this session were evicted to keep the "
+                                                   "cache under its size limit (--size-limit-mb 1): raise it")]
+    for result, stored, failed, store, words in cases:
+        trouble = cli._cache_trouble(result, stored, failed, store, 1)
+        said = miss_in_plain_words(nothing_compared, policy_for("balanced"), trouble)
+        assert said.startswith(words) and "nothing comparable" not in said, said
+    assert cli._cache_trouble(quiet, ["a"], [], Store({"a"}), 1) == ""

@@ -120,8 +120,10 @@ def test_demo_session_replays_the_repeat_hits_its_edits_with_margin_and_measures
         assert 0 < row["model_calls"] < DEMO_STEPS and row["attributes_correct"] == "6/6"
         assert row["psnr_vs_plain_db"] > 25                       # the hit looks like its plain generation
     for row in written["rows"]:             # one baseline: the same request by a plain sampler, timed after it
-        assert row["plain_seconds"] > 0
-        assert row["speedup_vs_plain"] == session.speedup(row["plain_seconds"], row["seconds"])
+        assert row["plain_seconds"] > 0 and row["plain_cpu_seconds"] > 0
+        assert row["speedup_vs_plain"] == session.row_speedup(
+            session.Timed(row["plain_seconds"], row["plain_cpu_seconds"]), session.Timed(row["seconds"],
+                                                                                           row["cpu_seconds"]))
         assert open(row["frames"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert rows["first request: cold cache"]["psnr_vs_plain_db"] is None          # a miss is the plain generation
     assert rows["first request: cold cache"]["why_miss"].startswith("nothing comparable in the cache yet")
@@ -129,13 +131,19 @@ def test_demo_session_replays_the_repeat_hits_its_edits_with_margin_and_measures
     compared = written["hit_vs_fresh"]
     best = rows[compared["request"]]
     assert best["model_calls"] == min(row["model_calls"] for row in hits) and os.path.exists(compared["picture"])
-    assert (compared["fresh_seconds"], compared["hit_seconds"], compared["speedup"]) == \
-        (best["plain_seconds"], best["seconds"], best["speedup_vs_plain"])          # the row's own numbers
+    # timed 3 times each way, alternating, the row's own pair first; a ratio only when each side's runs agree
+    assert len(compared["hit_runs"]) == len(compared["plain_runs"]) == cli.TIMING_RUNS
+    assert (compared["hit_runs"][0]["wall"], compared["plain_runs"][0]["wall"]) == (best["seconds"],
+                                                                                  best["plain_seconds"])
+    runs = [[session.Timed(**run) for run in compared[side]] for side in ("plain_runs", "hit_runs")]
+    ratio = session.steady_ratio(*runs)
+    assert compared["speedup_cpu_median"] == (round(ratio, 3) if ratio is not None else None)
     out = capsys.readouterr().out
     assert "same prompt, same seed             repeat" in out
     assert f"    miss: {rows['background change']['why_miss']}" in out
-    words = session.speed_in_words(best["plain_seconds"], best["seconds"])
-    assert f"hit vs fresh ({best['request']}): " in out and f"for the plain sampler ({words})" in out
+    said = session.hit_timing_words(*runs, ratio, best["model_calls"], DEMO_STEPS, cli.TIMING_RUNS, "")[0]
+    assert f"hit vs fresh ({best['request']}): {said.split(' (')[0]}" in out
+    assert f"{best['model_calls']} model calls of {DEMO_STEPS}" in out         # the calls, whatever the timing
     assert str(out_dir) in out
     assert out.rstrip().endswith(cli.demo_legend(DEMO_STEPS, 3, 6, ", ".join(world.ATTRIBUTES)))
 
@@ -148,6 +156,7 @@ def test_a_rerun_on_a_kept_cache_is_all_exact_repeats_and_says_so(tmp_path, caps
     capsys.readouterr()
     assert main(flags + ["--json", str(tmp_path / "again.json")]) == 0
     out = capsys.readouterr().out
+    assert "first request: cold cache" not in out and f"{'first request':34} repeat" in out   # a kept cache is warm
     assert "all 6 requests were exact repeats of generations already in the cache" in out
     assert "no request" not in out
     again = json.loads((tmp_path / "again.json").read_text())

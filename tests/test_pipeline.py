@@ -17,7 +17,7 @@ def _noise(seed):
 
 
 def _config(**kwargs):
-    return CarnatorConfig(probe_steps=2, block_size=64, **kwargs)
+    return CarnatorConfig(**{"probe_steps": 2, "block_size": 64, **kwargs})
 
 
 def _run(model, store, prompt, seed, **kwargs):
@@ -188,6 +188,17 @@ def test_a_miss_for_want_of_a_bucket_says_which_part_differs(tiny_model, store):
     guided = generate(TinyDiTRunner(tiny_model, "a red circle moving left", guidance_scale=3.0), _noise(1), SIGMAS,
                       store, _config(), "a red circle moving left", 1)
     assert guided.decision.reasons[1].endswith("differs in cfg/guidance (cfg=3 here, cfg=1 there)")
+
+
+def test_a_miss_among_entries_probed_for_another_number_of_steps_names_the_probe_length(tiny_model, store):
+    """Entries of the request's model, shape and schedule probed 2 steps, a request probed 3: the miss says so, not
+    that no earlier generation of this model is in the cache."""
+    _run(tiny_model, store, "a red circle moving left", 1)
+    longer = _run(tiny_model, store, "a red circle moving right", 1, probe_steps=3)
+    assert not longer.decision.reuse
+    assert longer.decision.reasons == [
+        "the cache holds generations of this model, shape and schedule probed for 2 steps, this request for 3: "
+        "probes of different lengths cannot be compared (set probe steps to 2 to reuse them)"]
 
 
 def test_full_connectivity_resume_equals_dense_resume(tiny_model, tmp_path):

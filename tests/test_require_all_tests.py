@@ -59,8 +59,12 @@ def test_without_the_switch_skips_stay_skips(tmp_path):
     run = run_pytest(tmp_path, "")
     assert run.returncode == 0, run.stdout
     assert "1 passed" in run.stdout and "skipped" in run.stdout and "failed" not in run.stdout
-    # The run says how many skipped for a missing prerequisite (the GPU test is not counted) and how to run them.
-    assert "3 tests skipped for a missing host, browser, Redis or package; to run them: COMFYUI_PATH=" in run.stdout
+    # The run says how many skipped, how many of them for a missing prerequisite and how to run those, and how many
+    # need a GPU: every skip is counted.
+    gpu = 0 if torch.cuda.is_available() else 1
+    assert (f"{3 + gpu} tests skipped: 3 for a missing host, browser, Redis or package (to run them: COMFYUI_PATH="
+            in run.stdout), run.stdout
+    assert ("), 1 that need a CUDA GPU" in run.stdout) == bool(gpu)
 
 
 def test_with_the_switch_only_gpu_tests_may_skip(tmp_path):

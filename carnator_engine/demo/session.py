@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
+import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .. import few_step_gate
 from ..euler import TinyDiTRunner
+from ..store.index import EMPTY_CACHE
 
 _FIRST = {"color": "red", "shape": "circle", "direction": "right", "background": "black", "size": "small",
           "speed": "slow"}
@@ -15,7 +19,7 @@ _FIRST = {"color": "red", "shape": "circle", "direction": "right", "background":
 # the balanced limit of 0.5, the rest of the early picture differs at 0.1-0.3 of the 0.5 limit); the background
 # changes every pixel, a miss whatever the risk level.
 DEMO_SESSION = [
-    ("first request: cold cache", _FIRST, 1),
+    ("first request", _FIRST, 1),
     ("same prompt, same seed", _FIRST, 1),
     ("speed edit", {**_FIRST, "speed": "fast"}, 1),
     ("shape edit", {**_FIRST, "shape": "square"}, 1),
@@ -62,6 +66,72 @@ class Progress:
         self.shown = len(line)
 
 
+# A run had the CPU to itself when its wall time is within this factor of its CPU time (the demo runs torch on one
+# thread): beyond it, other programs held the CPU for part of the run and its wall time says more about them.
+STEADY_WALL_OVER_CPU = 1.10
+# Repeated runs of one request agree when their slowest CPU time is within this factor of their fastest.
+STEADY_SPREAD = 1.10
+
+
+@dataclass
+class Timed:
+    """One run's wall-clock and CPU seconds (the process's CPU time: robust to other programs' load)."""
+    wall: float
+    cpu: float
+
+    @property
+    def steady(self) -> bool:
+        return self.wall <= STEADY_WALL_OVER_CPU * self.cpu
+
+
+def timed(work: Callable[[], object]) -> tuple:
+    """(work's result, Timed)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = work()
+    return result, Timed(round(time.perf_counter() - wall, 3), round(time.process_time() - cpu, 3))
+
+
+def row_speedup(plain: Timed, carnator: Timed) -> str:
+    """The row's speedup (plain over Carnator wall time), or 'busy' when either run shared the CPU with other
+    programs: then the ratio of two single runs is noise, however many calls the request saved."""
+    return speedup(plain.wall, carnator.wall) if plain.steady and carnator.steady else "busy"
+
+
+def steady_ratio(plain: list, carnator: list) -> Optional[float]:
+    """Median plain CPU time over median Carnator CPU time across repeated alternating runs, or None when either
+    side's runs disagree by more than STEADY_SPREAD (a ratio then would be noise)."""
+    def agree(runs):
+        cpus = [run.cpu for run in runs]
+        return len(cpus) >= 3 and max(cpus) <= STEADY_SPREAD * min(cpus)
+    if not (agree(plain) and agree(carnator)):
+        return None
+    return statistics.median(run.cpu for run in plain) / statistics.median(run.cpu for run in carnator)
+
+
+def hit_timing_words(plain: list, hit: list, ratio: Optional[float], calls: int, steps: int, wanted: int,
+                     load: str) -> tuple:
+    """(the sentence on the hit's speed, the picture's two captions): the median times and their ratio when the
+    timings agree (steady_ratio), else the model calls alone and why no ratio is stated."""
+    if ratio is not None:
+        plain_cpu, hit_cpu = (statistics.median(run.cpu for run in runs) for runs in (plain, hit))
+        plain_wall, hit_wall = (statistics.median(run.wall for run in runs) for runs in (plain, hit))
+        speed = speed_in_words(ratio, 1.0)
+        wall = (f"wall time {hit_wall:.2f} s against {plain_wall:.2f} s" if all(run.steady for run in plain + hit)
+                else f"the wall times, {hit_wall:.2f} s against {plain_wall:.2f} s, include waiting for other "
+                     f"programs: {load}")
+        said = (f"{hit_cpu:.2f} s against {plain_cpu:.2f} s for the plain sampler ({speed}; median CPU time of "
+                f"{len(hit)} alternating runs each; {wall}), {calls} model calls of {steps}")
+        return said, (f"plain sampler: {steps} model calls, {plain_cpu:.2f} s CPU time",
+                      f"Carnator hit: {calls} model calls, {hit_cpu:.2f} s CPU time ({speed})")
+    if len(hit) < wanted:
+        why = "the hit could not be timed again in a scratch cache"
+    else:
+        why = (f"the {len(hit)} timed runs of each varied by more than {round(100 * (STEADY_SPREAD - 1))}% "
+               f"({load}), so a ratio would be noise")
+    return (f"{calls} model calls of {steps}; no speed ratio stated: {why}",
+            (f"plain sampler: {steps} model calls", f"Carnator hit: {calls} model calls"))
+
+
 def decision_name(decision) -> str:
     return "repeat" if decision.exact_repeat else "HIT" if decision.reuse else "miss"
 
@@ -88,13 +158,19 @@ def psnr(clip, reference) -> Optional[float]:
     return round(10 * math.log10(1 / mse), 2) if mse > 0 else None
 
 
-def miss_in_plain_words(decision, policy) -> str:
-    """Why the gate generated this request in full, in a user's words, from the decision's numbers."""
+def miss_in_plain_words(decision, policy, cache_trouble: str = "") -> str:
+    """Why the gate generated this request in full, in a user's words, from the decision's numbers; with nothing
+    compared, `cache_trouble` (the store could not be used: a fault, failed writes, evictions) or the engine's reason
+    (entries probed for another number of steps, another model, shape or schedule)."""
     numbers = decision.numbers
     if few_step_gate.refused(decision):
         return few_step_gate.PLAIN_WORDS
     if not numbers:
-        return "nothing comparable in the cache yet (no earlier generation of this model, size and schedule)"
+        if cache_trouble:
+            return cache_trouble
+        if decision.reasons[-1:] == [EMPTY_CACHE] or not decision.reasons:
+            return "nothing comparable in the cache yet (no earlier generation of this model, size and schedule)"
+        return "nothing comparable in the cache: " + "; ".join(decision.reasons)
     found = []
     if not numbers["hidden"] <= policy.max_hidden:
         found.append("the model already reads this prompt differently from the nearest cached one")

@@ -71,13 +71,44 @@ def bucket_difference(store: CarnatorStore, parts: dict) -> str:
         stats = store.stats()
         usable = stats["entries"] - stats["corrupt"]
         if not usable:
-            return "the cache holds no generation yet"
+            return EMPTY_CACHE
         return f"none of the cache's {usable} entries records its bucket's parts"
     entry_id, differ, theirs = best
     shown = [BUCKET_PARTS[name] if name in _NAMED_ONLY
              else f"{BUCKET_PARTS[name]} ({parts.get(name) or 'none'} here, {theirs.get(name) or 'none'} there)"
              for name in differ]
     return f"the nearest cached generation, entry {entry_id}, differs in {', '.join(shown)}"
+
+
+# The start of the reason given when a request's bucket holds entries, none of which could be compared with it: it
+# replaces "no earlier generation of this model ... is in the cache", which is then not true.
+HELD_BUCKET = "the cache holds generations of this model, shape and schedule"
+EMPTY_CACHE = "the cache holds no generation yet"
+
+
+def incomparable_bucket(store: CarnatorStore, bucket: str, signature: EarlySignature, probe_steps: int) -> str:
+    """Why a bucket that holds entries gave no candidate: they were probed for another number of steps (an Early
+    Signature holds one state per probe step, so probes of different lengths cannot be compared), or they could not
+    be read (corrupt or gone; the store reported which). Reads the records of the bucket's nearest entries."""
+    try:
+        nearest_ids = store.shortlist(bucket, signature, SHORTLIST)
+    except ValueError as error:   # a non-finite signature (the lookup has reported it)
+        return (f"{HELD_BUCKET}, but this request's signature cannot be "
+                f"compared with them ({error})")
+    probes = set()
+    for entry_id in nearest_ids:
+        try:
+            probes.add(store.record(entry_id).probe_steps)
+        except StoreError:
+            continue
+    others = sorted(probes - {probe_steps})
+    if others:
+        steps = " or ".join(str(p) for p in others)
+        return (f"{HELD_BUCKET} probed for {steps} steps, this request "
+                f"for {probe_steps}: probes of different lengths cannot be compared (set probe steps to {others[0]} "
+                "to reuse them)")
+    return (f"{HELD_BUCKET}, but none could be read for comparison "
+            "(the warnings say why)")
 
 
 def _finite(score: float) -> float:

@@ -162,7 +162,7 @@ def inspect(directory: str):
         return None                        # made by claim (or found not writable there)
     except OSError as error:
         raise StoreError(f"Carnator cache directory {directory!r} cannot be read ({error.strerror or error}): "
-                         "fix its permissions or choose another cache path") from error
+                         f"{_path_advice(error)}") from error
     if [name for name in present if not _marker_temporary(name)]:  # only a marker in flight: still empty
         raise StoreError(f"Carnator cache {directory!r} is a folder that is not a Carnator store (not empty, "
                          f"no {MARKER_FILE}): choose an empty or new folder; nothing in it was touched")
@@ -181,6 +181,15 @@ def refuse_farm_folder(directory: str) -> None:
         raise StoreError(f"Carnator cache {directory!r} is the blob folder of a farm (store {found['farm'][:8]}..., "
                          f"Redis {found.get('redis', '?')}): to use that farm, set cache_dir to its redis:// URL and "
                          "blob_dir to this folder; for a folder cache, choose another folder (nothing was written)")
+
+
+def _path_advice(error: OSError) -> str:
+    """What to do about a cache folder the system refused, by the refusal's cause."""
+    if error.errno == errno.ENAMETOOLONG:
+        return "its name is longer than the filesystem allows: choose a shorter cache path"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "fix its permissions or choose another cache path"
+    return "choose another cache path"
 
 
 def claim(directory: str, create: bool = True, **fields) -> str:

@@ -39,6 +39,7 @@ from . import index_snapshot
 from .errors import CorruptEntryError, StoreError, StoreUnavailable
 from .memory_index import IndexedEntry, MemoryIndex
 from ..plain import json_safe
+from ..settings import DEFAULT_SIZE_LIMIT  # the one default: the Carnator Cache node, the CLI and the engine
 from ..signature import EarlySignature
 from .vectors import VECTOR_DIM, BucketMatrix, compact_vector
 from .write_back import BackgroundWriter
@@ -46,8 +47,6 @@ from .write_back import BackgroundWriter
 log = logging.getLogger("carnator.store")
 
 MIN_SIZE_LIMIT = 1 << 20
-# The one default size limit of a cache: the Carnator Cache node, the CLI and the engine use it alike.
-DEFAULT_SIZE_LIMIT = 8 << 30
 SIGNATURE_CACHE = 256   # parsed signatures kept in memory (entries never change their signature)
 # Changes taken in from the log before the index is snapshotted again: an open replays at most this many
 # (~0.3 ms each), and a snapshot of 100k entries costs well under a second to write.
