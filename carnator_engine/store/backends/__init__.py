@@ -5,6 +5,9 @@ change log so every process sharing the store can keep its in-memory index curre
 - `commit(id, meta, parts)`: the parts are fully written before the metadata that refers to them is visible;
 - `remove(id)`: the metadata's removal is committed before any part is deleted, so a crash in between leaves an
   orphan (reclaimed at the next open), never a visible entry with a missing part;
+- `evict(id, budget)`: removes the entry to make room: ("evicted" | "gone" | "fits", the total it saw); a store
+  shared by several workers removes it only while its own total (checked in the removing transaction) exceeds
+  `budget`, and answers "fits" otherwise, so workers evicting at once never take it below the limit;
 - `update(id, change)`: an atomic read-modify-write of one entry's metadata; False when the entry is gone;
 - `meta(id)`, `part(id, kind)`: bytes or None; `parts(ids, kind)`: a list of those, read in one go where the
   medium allows; `metas()`: every (id, bytes or None) pair, streamed;
