@@ -219,12 +219,11 @@ class Soak:
             if not self.mounted:
                 self.skipped.append(fault)
                 return {**done, "skipped": "no bind mount (needs root)"}
-            # mounted again read-only (a remount fails while writes are open): deletes and writes fail meanwhile
-            subprocess.run(["umount", "-l", self.blob_dir], check=True)
+            # a read-only mount stacked over the folder's (a remount fails while writes are open), then taken off:
+            # deletes and writes fail meanwhile, and the folder is never gone
             subprocess.run(["mount", "--bind", "-o", "ro", self.share, self.blob_dir], check=True)
             time.sleep(self.args.fault_s)
             subprocess.run(["umount", "-l", self.blob_dir], check=True)
-            subprocess.run(["mount", "--bind", self.share, self.blob_dir], check=True)
         elif fault == "flushall":
             self.lost_at_flush, _, self.torn_at_flush = self.audit()
             self.stranded_before_flush = self.unrecorded_files()
@@ -364,6 +363,8 @@ class Soak:
             "reads": sum(e["event"] == "read" for e in events),
             "wrong_served": sum(e["event"] == "read" and not e["right"] for e in events),
             "detected_damage": sum(e["event"] == "damage_detected" for e in events),
+            "detected_damage_why": [f"{e['why']} ({e['t'] - self.started:.1f} s)" for e in events
+                                    if e["event"] == "damage_detected"][:10],
             "faults_seen_by_workers": sum(e["event"] == "fault" for e in events),
             # several workers may pick the same victim at once: each entry counts once
             "evictions": len({e["id"] for e in evictions}), "deletes": sum(e["event"] == "delete" for e in events),

@@ -328,3 +328,16 @@ def test_a_farms_blob_folder_is_refused_as_a_folder_cache_and_nothing_is_written
     worker = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)    # the farm's workers still open it
     assert bool((worker.trajectory(worker.record(entry)).checkpoints[4] == 3.0).all())
     worker.close()
+
+
+def test_a_folder_away_for_a_moment_costs_a_read_nothing(farm_store, monkeypatch):
+    from carnator_engine.store.backends import blob_folder
+    entry = _put(farm_store, 6)
+    real_read, reads = blob_folder.BlobFolder.read, []
+
+    def read(self, name):          # the first read finds the empty mount point, the folder is back right after
+        reads.append(name)
+        return None if len(reads) == 1 else real_read(self, name)
+    monkeypatch.setattr(blob_folder.BlobFolder, "read", read)
+    assert farm_store.trajectory(farm_store.record(entry)).checkpoints[4][0, 0] == 6.0
+    assert not farm_store.record(entry).corrupt and farm_store.drain_problems() == []

@@ -674,7 +674,9 @@ class CarnatorStore:
                     self._forget(entry_id)
                 raise StoreError(f"cache entry {entry_id} was deleted or evicted meanwhile")
             self._backend.check_present()   # a folder unmounted is a fault, not damage: nothing marked
-            raise self._mark_corrupt(entry_id, f"its {kind} data is missing")
+            data = self._backend.part(entry_id, kind)   # once more: a folder mounted again since the read
+            if data is None:
+                raise self._mark_corrupt(entry_id, f"its {kind} data is missing")
         if _sha256(data) != sha:
             raise self._mark_corrupt(entry_id, f"its {kind} data does not match its checksum")
         return data

@@ -47,7 +47,7 @@ import uuid
 from ..errors import StoreError
 from ..owned_files import HEADER_BYTES
 from .blob_folder import BLOB_NAME, LEGACY_NAME, BlobFolder
-from .redis_store import BLOB_FOLDER_KEY, PREFIX, RedisBackend
+from .redis_store import BLOB_FOLDER_KEY, PREFIX, RELIST_KEY, RedisBackend
 
 log = logging.getLogger("carnator.store")
 
@@ -56,7 +56,6 @@ ORPHAN_GRACE_SECONDS = 600   # a registered write that has not committed after t
 COLLECT_BATCH = 200
 GC_KEY, GC_BYTES = PREFIX + "gc", PREFIX + "gcb"
 WRITES_KEY, WRITE_BYTES = PREFIX + "w", PREFIX + "wb"
-RECORDS_LISTED = PREFIX + "listed"   # absent after a removal that could not list its file: relisted at open
 LOCATION_JOIN = " + "        # a farm's location: its Redis URL (no password), this, its blob folder
 
 
@@ -377,9 +376,9 @@ class FarmBackend:
         return count, freed
 
     def _relist_records(self) -> None:
-        """Once after a removal fell back to commands one by one (over maxmemory, RECORDS_LISTED deleted): every
+        """Once after a removal fell back to commands one by one (over maxmemory, RELIST_KEY deleted): every
         file record that is neither an entry's nor listed as released or in flight is listed as released."""
-        if self._client.exists(RECORDS_LISTED):
+        if self._client.exists(RELIST_KEY):
             return
         for keys in _batches(self._client.scan_iter(match=self._record_key("*"), count=1000), 500):
             names = [k.decode()[len(self._record_key("")):] for k in keys]
@@ -400,7 +399,7 @@ class FarmBackend:
                 pipe.zadd(GC_KEY, {name: time.time()}, nx=True)
                 pipe.hset(GC_BYTES, name, int(size))
                 pipe.execute()
-        self._client.set(RECORDS_LISTED, 1)
+        self._client.set(RELIST_KEY, 1)
 
     # ---- reading ---------------------------------------------------------------------------------
 
