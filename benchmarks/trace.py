@@ -11,7 +11,8 @@ misses with their probe, repeats; in model calls and in seconds on this machine)
 Methods: no_reuse, text_similarity (NIRVANA-style: MiniLM cosine picks the entry, fixed resume step), steps_<N>
 (fewer steps: --fewer-steps), easycache (the EasyCache rule, benchmarks/quality.py), carnator_<risk> (the
 product's pipeline, refine on, at each risk level), carnator+steps_<N> and carnator+easycache (the default risk on top
-of the per-request method), carnator_subject_rule (the default with the gate's refuse_subject_change on).
+of the per-request method), carnator_subject_rule (the default with the gate's refuse_subject_change on),
+carnator_region (the default with region-only resume on; benchmarks/gpu_time.py prices its region steps).
 
     python benchmarks/trace.py --requests 50 --out /tmp/trace.json                      # quick CPU run
     python benchmarks/trace.py --device cuda --jobs 16 --out $OUT/trace.json             # 1,000 requests per habit
@@ -60,7 +61,9 @@ def methods(fewer_steps: int) -> dict:
     table.update({f"carnator+{steps}": (f"carnator_refine+{steps}", DEFAULT_RISK, {}),
                   "carnator+easycache": ("carnator_refine+easycache", DEFAULT_RISK, {}),
                   # the default with the gate's subject rule on (off by default until measured)
-                  "carnator_subject_rule": ("carnator_refine", DEFAULT_RISK, {"refuse_subject_change": True})})
+                  "carnator_subject_rule": ("carnator_refine", DEFAULT_RISK, {"refuse_subject_change": True}),
+                  # the default with region-only resume on (off by default until measured; gpu_time.py prices it)
+                  "carnator_region": ("carnator_region", DEFAULT_RISK, {})})
     return table
 
 

@@ -1,0 +1,63 @@
+"""benchmarks/gpu_time.py: per-step GPU costs from a gpu_compose.py report, and a trace run priced with them (every
+kind of request: a miss, a whole-clip hit's sparse steps, a region-only hit's region steps, an exact repeat)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_quality_smoke import _script
+
+N, K = 50, 25
+
+
+def _compose(a=0.08, b=0.9):
+    """A gpu_compose.py report: plain steps of 0.6 s, sparse steps at 0.68 of one, region steps at a + b x share."""
+    dense, sparse = 0.6, 0.68
+    region = {f"region hit {share:.0%}": {"region_only": True, "region_share": share, "region_steps": N - K - 2,
+                                          "resume_and_write_s": dense * (2 * sparse + (N - K - 2) * (a + b * share))}
+              for share in (0.1, 0.3, 0.5)}
+    return {"device": "test card", "config": {"steps": N, "resume": K},
+            "cases": {"plain": {"seconds": dense * N}, "miss": {"seconds": dense * N * 1.01},
+                      "hit": {"resume_s": dense * sparse * (N - K)}, **region,
+                      "region hit 10% resident": {"region_only": True, "region_share": 0.1, "region_steps": 23,
+                                                  "resume_and_write_s": 99.0}}}
+
+
+def test_step_costs_come_from_the_gpu_run():
+    costs = _script("gpu_time").step_costs(_compose())
+    assert costs["dense_s"] == pytest.approx(0.6) and costs["sparse"] == pytest.approx(0.68)
+    assert costs["miss"] == pytest.approx(1.01)
+    assert costs["region_a"] == pytest.approx(0.08) and costs["region_b"] == pytest.approx(0.9)
+    assert len(costs["region_points"]) == 3          # the resident variant is not a point of the fit
+
+
+def test_each_request_is_priced_by_what_its_calls_are():
+    gpu_time = _script("gpu_time")
+    costs = gpu_time.step_costs(_compose())
+    row = {"model_calls": 18, "reused": True, "exact_repeat": False, "gate": {}}
+    assert gpu_time.request_cost(row, True, 3, costs) == pytest.approx(3 + 15 * 0.68)   # probe dense, rest sparse
+    assert gpu_time.request_cost(row, False, 3, costs) == 18                            # the text baseline: dense
+    region = dict(row, gate={"region_only": True, "region_share": 0.2, "region_steps": 12})
+    assert gpu_time.request_cost(region, True, 3, costs) == pytest.approx(3 + 3 * 0.68 + 12 * (0.08 + 0.9 * 0.2))
+    miss = {"model_calls": 20, "reused": False, "exact_repeat": False, "gate": {}}
+    assert gpu_time.request_cost(miss, True, 3, costs) == pytest.approx(20 * 1.01)
+    repeat = {"model_calls": 0, "reused": True, "exact_repeat": True, "gate": {}}
+    assert gpu_time.request_cost(repeat, True, 3, costs) == 0
+
+
+def test_a_trace_run_with_region_only_is_priced_per_method(tmp_path):
+    trace, gpu_time = _script("trace"), _script("gpu_time")
+    out = tmp_path / "trace.json"
+    assert trace.main(["--requests", "6", "--pairs", "0", "--steps", "6", "--probe-steps", "2", "--fewer-steps", "4",
+                       "--text-resume-step", "3", "--habits", "fixed", "--methods", "carnator_balanced,carnator_region",
+                       "--region-max-share", "1.0", "--out", str(out)]) == 0
+    costs = tmp_path / "compose.json"
+    costs.write_text(json.dumps(_compose()))
+    report = gpu_time.main(["--costs", str(costs), "--trace", str(out), "--out", str(tmp_path / "gpu_time.json")])
+    figures = report["habits"]["fixed"]
+    assert set(figures) == {"no_reuse", "carnator_balanced", "carnator_region"}
+    assert figures["no_reuse"]["gpu_time_saved"] == 0
+    for method in ("carnator_balanced", "carnator_region"):     # a hit's steps cost less than plain ones
+        assert figures[method]["gpu_time_saved"] >= figures[method]["calls_saved"] - 0.02
+    assert json.loads((tmp_path / "gpu_time.json").read_text())["costs"]["device"] == "test card"
