@@ -439,7 +439,7 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
     written = time.perf_counter()
     storing = None
     if probed.uncacheable:
-        warnings.append("not stored: " + ("its model carries an option Carnator cannot fingerprint" if not why else
+        warnings.append("not stored: " + ("its model carries a node setting Carnator cannot compare" if not why else
                                           "its model changed since the probe"))
     else:
         entry = dict(bucket=probed.bucket, prompt=prompt, seed=seed, steps=probed.steps, probe_steps=probed.probe_steps,

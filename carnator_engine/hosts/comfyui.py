@@ -510,9 +510,9 @@ class ComfyRunner:
             return ""
         return ("the MODEL changed between the probe and the resume (now: "
                 f"{text or 'no options'}; at the probe: {self.model_text or 'no options'}): this request is "
-                "finished from its own probe without the cache, and not stored. An option that changes while it "
-                "runs (a closure over a counter or a cache) cannot be fingerprinted: its node can declare a "
-                "`carnator_fingerprint`")
+                "finished from its own probe without the cache, and not stored. A node whose settings change while "
+                "it runs cannot be compared: bypass it to use the cache; its author can make it comparable "
+                "(docs/composing.md)")
 
     def fresh_step_cache(self) -> None:
         """The next run starts its step cache (EasyCache, LazyCache) afresh instead of continuing the last run's

@@ -66,10 +66,10 @@ class ModelKey:
         """Empty when the key is complete; otherwise why the request must be generated without the cache."""
         if not self.unknown:
             return ""
-        return ("Carnator cannot fingerprint " + "; ".join(map(_for_people, self.unknown)) + ": this request is "
-                "generated plainly "
-                "(no cache lookup, no repeat, nothing stored), since a cached result could come from a model with "
-                "other settings. Remove that option, or give it a `carnator_fingerprint` naming its settings")
+        places = "; ".join(dict.fromkeys(map(_for_people, self.unknown)))
+        return (f"Carnator cannot compare the settings of {places}, so a cached result could come from other "
+                "settings: this request is generated in full without the cache (nothing looked up, repeated or "
+                "stored). Bypass that node to use the cache; its author can make it comparable (docs/composing.md)")
 
     def text(self) -> str:
         return "; ".join(self.described)
@@ -82,13 +82,16 @@ _PLACES = [(re.compile(r"^(wrapper|callback)s\['(\w+)'\]\['([^']*)'\](\[\d+\])?"
            (re.compile(r"^model_options\['transformer_options'\]\['([^']*)'\]"),
             lambda m: f"transformer option {m[1].replace('_', ' ')}"),
            (re.compile(r"^model_options\['([^']*)'\]"), lambda m: f"model option {m[1].replace('_', ' ')}"),
-           (re.compile(r" \(closure (\w+)\)"), lambda m: f", its value {m[1]}")]
+           # what the walk says for the node's author (the closure, the class) means nothing to a creator
+           (re.compile(r" \(closure \w+\)"), lambda m: ""),
+           (re.compile(r" \(an object of type [^)]*\)"), lambda m: ""),
+           (re.compile(r" \(nested too deep to read\)"), lambda m: " (settings nested too deep to read)")]
 
 
 def _for_people(unknown: str) -> str:
     """An option Carnator cannot read, named as a creator knows it: "another node's wrapper on the diffusion model
-    ('third_party'), its value opaque (an object of type Opaque)" for wrappers['diffusion_model']['third_party'][0]
-    (closure opaque) (...)."""
+    ('third_party')" for wrappers['diffusion_model']['third_party'][0] (closure opaque) (an object of type
+    Opaque); a step cache's setting it cannot read keeps its name and value."""
     for pattern, words in _PLACES:
         unknown = pattern.sub(words, unknown, count=1)
     return unknown

@@ -395,6 +395,20 @@ def test_very_different_conditioning_is_rejected(comfy, plugin, counted, conds, 
     print("\nrejected:", summary["numbers"])
 
 
+def test_a_request_probed_longer_than_the_cached_ones_names_the_probe_length(comfy, plugin, tiny_model, conds,
+                                                                             latent, tmp_path):
+    """Entries probed 2 steps, an edit probed 3: the miss says the probe lengths differ (and which to set), not
+    that no earlier generation of this model, shape and schedule is in the cache."""
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    sample(comfy, tiny_model, cache, positive, negative, latent, probe_steps=PROBE)
+    _, summary = sample(comfy, tiny_model, cache, nudged(positive), negative, latent, probe_steps=PROBE + 1)
+    assert not summary["reuse"]
+    assert summary["reasons"] == [
+        f"the cache holds generations of this model, shape and schedule probed for {PROBE} steps, this request for "
+        f"{PROBE + 1}: probes of different lengths cannot be compared (set probe steps to {PROBE} to reuse them)"]
+
+
 def test_model_patch_changes_the_bucket(comfy, plugin, tiny_model, counted, conds, latent, tmp_path):
     from carnator_engine.hosts.comfyui import ComfyRunner
     positive, negative = conds
