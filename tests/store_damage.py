@@ -1,7 +1,7 @@
 """Raw access to a store's stored bytes, for tests that damage entries the way a crash or a disk would.
 
 Works for both backends: the disk backend's SQLite keys and blob files, the Redis backend's keys."""
-import json
+import dataclasses
 import os
 
 from carnator_engine.store.backends.disk import DiskBackend
@@ -42,7 +42,10 @@ def drop_raw(store, entry_id, kind):
 
 
 def edit_meta(store, entry_id, change):
-    """change(dict) edits the stored metadata in place, as another writer would."""
-    value = json.loads(get_raw(store, entry_id, "meta"))
+    """change(dict) edits the stored metadata in place, as another writer would (checksum and all: a consistent
+    record, not damage)."""
+    from carnator_engine.store.store import EntryRecord, _decode, _encode
+    record, vector = _decode(get_raw(store, entry_id, "meta"), entry_id)
+    value = dataclasses.asdict(record)
     change(value)
-    set_raw(store, entry_id, "meta", json.dumps(value).encode())
+    set_raw(store, entry_id, "meta", _encode(EntryRecord(**value), vector))
