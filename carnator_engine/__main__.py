@@ -95,8 +95,11 @@ def _finite_float_in(low: float, high: float, why: str = ""):
 
 
 def _open_store(args, path: str):
+    """The demo's cache with its --size-limit-mb (recorded with it); stats and clear open a cache with the limit
+    recorded there, so looking at a cache neither changes its limit nor evicts anything."""
     from .store import CarnatorStore
-    return CarnatorStore(path, args.size_limit_mb << 20, blob_dir=args.blob_dir)
+    limit = args.size_limit_mb << 20 if args.command == "demo" else None
+    return CarnatorStore(path, limit, blob_dir=args.blob_dir)
 
 
 def demo_legend(steps: int, probe_steps: int, attributes: int, names: str) -> str:
@@ -682,11 +685,11 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (stats, clear, reattach):
         sub.add_argument("--cache", required=True, help="the cache's directory, or redis://[:password@]host:port/db "
                                                         "(the password may come from CARNATOR_REDIS_PASSWORD)")
+    demo.add_argument("--size-limit-mb", type=_int_in(*SIZE_LIMIT_MB_RANGE), default=DEFAULT_SIZE_LIMIT >> 20,
+                      help=f"cache size limit in MiB, {SIZE_LIMIT_MB_RANGE[0]}-{SIZE_LIMIT_MB_RANGE[1]}, recorded with "
+                           "the cache (stats shows it); least useful entries are evicted beyond it "
+                           f"(default {DEFAULT_SIZE_LIMIT >> 20}, as on the Carnator Cache node)")
     for sub in (demo, stats, clear):
-        sub.add_argument("--size-limit-mb", type=_int_in(*SIZE_LIMIT_MB_RANGE), default=DEFAULT_SIZE_LIMIT >> 20,
-                         help=f"cache size limit in MiB, {SIZE_LIMIT_MB_RANGE[0]}-{SIZE_LIMIT_MB_RANGE[1]}; least "
-                              "useful entries are evicted beyond it "
-                              f"(default {DEFAULT_SIZE_LIMIT >> 20}, as on the Carnator Cache node)")
         sub.add_argument("--blob-dir", default="", help="farm layout, with a redis:// --cache: the shared folder "
                                                         "(absolute path, mounted by every worker) that keeps the "
                                                         "trajectories; empty = everything in Redis")

@@ -38,7 +38,9 @@ def test_missing_cache_is_reported_and_nothing_is_created(tmp_path, capsys, comm
 
 def test_stats_of_an_existing_cache(filled, capsys):
     assert cli.main(["stats", "--cache", str(filled)]) == 0
-    assert '"entries": 1' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert '"entries": 1' in out
+    assert f'"size_limit_bytes": {64 << 20}' in out          # the limit the cache was made with, not 8 GiB
 
 
 def test_clear_asks_first_and_keeps_everything_without_a_yes(filled, capsys, monkeypatch):

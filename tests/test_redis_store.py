@@ -93,3 +93,9 @@ def test_the_cli_takes_a_redis_url_and_never_prints_its_password(locked, capsys,
     out = capsys.readouterr()
     assert '"entries": 0' in out.out and "asks for a password" in out.err
     assert "Secret" not in out.out + out.err
+
+
+def test_the_size_limit_is_recorded_in_redis_and_kept_by_a_store_opened_without_one(redis_server):
+    made = CarnatorStore(redis_server.url, 2 << 20)
+    made.close()
+    assert CarnatorStore(redis_server.url, None).stats()["size_limit_bytes"] == 2 << 20

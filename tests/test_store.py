@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from carnator_engine.signature import EarlySignature
-from carnator_engine.store import CarnatorStore, CorruptEntryError, StoreError, TrajectoryPayload
+from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore, CorruptEntryError, StoreError, TrajectoryPayload
 from store_damage import drop_raw, get_raw, set_raw
 
 
@@ -353,3 +353,19 @@ def test_unusable_cache_db_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(diskcache, "Cache", read_only)
     with pytest.raises(StoreError, match=r"read_only.*read-only: fix its permissions"):
         CarnatorStore(str(tmp_path / "read_only"))
+
+
+def test_the_size_limit_is_recorded_with_the_store_and_opening_without_one_keeps_it(tmp_path):
+    """A cache made with 1 MiB opens with 1 MiB where no limit is given (stats, clear): neither the default 8 GiB
+    reported nor anything evicted under another limit; a limit given again is recorded again."""
+    directory = str(tmp_path / "cache")
+    made = CarnatorStore(directory, 1 << 20)
+    _put(made)
+    made.close()
+    looked_at = CarnatorStore(directory, None)
+    assert looked_at.size_limit_bytes == looked_at.stats()["size_limit_bytes"] == 1 << 20
+    assert looked_at.stats()["entries"] == 1
+    looked_at.set_size_limit(64 << 20)
+    looked_at.close()
+    assert CarnatorStore(directory, None).size_limit_bytes == 64 << 20
+    assert CarnatorStore(str(tmp_path / "new"), None).size_limit_bytes == DEFAULT_SIZE_LIMIT

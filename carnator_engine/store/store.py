@@ -191,15 +191,19 @@ def _bucket_parts(record: EntryRecord) -> Optional[dict]:
 
 
 class CarnatorStore:
-    def __init__(self, location: str, size_limit_bytes: int = DEFAULT_SIZE_LIMIT, blob_dir: str = ""):
+    def __init__(self, location: str, size_limit_bytes: Optional[int] = DEFAULT_SIZE_LIMIT, blob_dir: str = ""):
         """`blob_dir` with a redis:// location: the farm layout (backends/farm.py), trajectories in that folder.
         A store whose medium cannot be reached now (StoreUnavailable: its Redis down, its shared folder not mounted)
         opens all the same: every use until it is reached raises StoreUnavailable (requests are generated in
-        full), and it tries again at most every RECONNECT_SECONDS."""
-        _check_size_limit(size_limit_bytes)
+        full), and it tries again at most every RECONNECT_SECONDS. `size_limit_bytes` is recorded with the store;
+        None opens it with the limit recorded there (its last opener's; DEFAULT_SIZE_LIMIT if none), as `stats`
+        does: looking at a cache neither changes its limit nor evicts under another one."""
+        if size_limit_bytes is not None:
+            _check_size_limit(size_limit_bytes)
         from .backends import shown_location
         self.location = shown_location(location, blob_dir)
-        self.size_limit_bytes = int(size_limit_bytes)
+        self._given_limit = None if size_limit_bytes is None else int(size_limit_bytes)
+        self.size_limit_bytes = self._given_limit or DEFAULT_SIZE_LIMIT
         self.problems: list = []
         self._lock = threading.RLock()
         self._signatures: OrderedDict = OrderedDict()
@@ -224,6 +228,7 @@ class CarnatorStore:
                     log.info("carnator: reclaimed %d orphan blob files (%d bytes) in %s", self.orphans_reclaimed,
                              self.orphan_bytes_reclaimed, self.location)
                 self._open_index()
+                self._settle_size_limit(backend)
                 self.enforce_size_limit()
             except StoreUnavailable:
                 self._opened = None
@@ -254,13 +259,30 @@ class CarnatorStore:
                     raise
             return self._opened
 
+    def _settle_size_limit(self, backend) -> None:
+        """The limit given at opening recorded with the store, or none given: the one recorded there. A limit that
+        cannot be recorded (a full disk) still applies to this process; the store reports it."""
+        recorded = backend.recorded_size_limit()
+        if self._given_limit is None:
+            self.size_limit_bytes = recorded if recorded is not None and recorded >= MIN_SIZE_LIMIT \
+                else DEFAULT_SIZE_LIMIT
+        elif recorded != self._given_limit:
+            try:
+                backend.record_size_limit(self._given_limit)
+            except StoreUnavailable:
+                raise
+            except StoreError as error:
+                self.report_problem(f"the cache's size limit was not recorded with it ({error})")
+
     def set_size_limit(self, size_limit_bytes: int) -> list:
-        """Applies a new limit at once (a store not reached yet applies it when it opens); returns the ids it
-        evicted."""
+        """Applies a new limit at once and records it with the store (a store not reached yet does both when it
+        opens); returns the ids it evicted."""
         _check_size_limit(size_limit_bytes)
-        self.size_limit_bytes = int(size_limit_bytes)
+        self._given_limit = self.size_limit_bytes = int(size_limit_bytes)
         if self._opened is None:
             return []
+        with self._lock:
+            self._settle_size_limit(self._backend)
         return self.enforce_size_limit()
 
     def close(self) -> None:

@@ -126,6 +126,14 @@ class DiskBackend:
             raise StoreError(f"Carnator cache {directory!r}: cache.db belongs to another store than its marker "
                              f"{MARKER_FILE} (copied in from elsewhere?): move one of them away")
 
+    def recorded_size_limit(self):
+        """The size limit the store was last opened with (bytes), None before one was recorded."""
+        value = self._guard("open", lambda: self._cache.get("size_limit"))
+        return value if isinstance(value, int) else None
+
+    def record_size_limit(self, size_limit_bytes: int) -> None:
+        self._guard("record the size limit", lambda: self._cache.set("size_limit", int(size_limit_bytes)))
+
     def _with_room(self, work):
         """work(), retried once with the reserve released when the disk is full."""
         try:

@@ -435,6 +435,12 @@ class FarmBackend:
     def changes(self, cursor):
         return self._redis.changes(cursor)
 
+    def recorded_size_limit(self):
+        return self._redis.recorded_size_limit()
+
+    def record_size_limit(self, size_limit_bytes: int) -> None:
+        self._redis.record_size_limit(size_limit_bytes)
+
     def load_snapshot(self):
         return self._redis.load_snapshot()
 

@@ -109,6 +109,14 @@ class RedisBackend:
             self.identity = self.establish(self.stored_identity() or uuid.uuid4().hex)
             self._bind(blob_folder)
 
+    def recorded_size_limit(self):
+        """The size limit the store was last opened with (bytes), None before one was recorded."""
+        value = self._guard("connect", lambda: self._client.get(PREFIX + "size_limit"))
+        return int(value) if value is not None and value.isdigit() else None
+
+    def record_size_limit(self, size_limit_bytes: int) -> None:
+        self._guard("record the size limit", lambda: self._client.set(PREFIX + "size_limit", int(size_limit_bytes)))
+
     def stored_identity(self):
         """The store's identity as Redis holds it; None in a new database (or one that lost its data)."""
         identity = self._guard("connect", lambda: self._client.get(PREFIX + "store"))
