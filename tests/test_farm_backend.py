@@ -341,3 +341,48 @@ def test_a_folder_away_for_a_moment_costs_a_read_nothing(farm_store, monkeypatch
     monkeypatch.setattr(blob_folder.BlobFolder, "read", read)
     assert farm_store.trajectory(farm_store.record(entry)).checkpoints[4][0, 0] == 6.0
     assert not farm_store.record(entry).corrupt and farm_store.drain_problems() == []
+
+
+def _as_made_before_per_write_files(store, admin, blobs, entries) -> set:
+    """Rewrites `entries` as a farm of an older Carnator kept them: plain-JSON metadata (no checksum), no sizes in
+    Redis, the blob in a file named by its SHA-256 (shared by equal blobs) with the folder's identity as header,
+    its entries listed in r:<name>. The legacy names."""
+    names = set()
+    for entry in entries:
+        admin.set(f"carnator:m:{entry}", admin.get(f"carnator:m:{entry}").partition(b"\n")[2])
+        name = admin.get(f"carnator:f:{entry}").decode()
+        path = os.path.join(blobs, name)
+        data = open(path, "rb").read()[HEADER_BYTES:]
+        legacy = hashlib.sha256(data).hexdigest() + ".blob"
+        with open(os.path.join(blobs, legacy), "wb") as handle:
+            handle.write(header(store._backend._folder.identity) + data)
+        os.remove(path)
+        admin.delete(f"carnator:n:{name}")
+        admin.set(f"carnator:f:{entry}", legacy)
+        admin.sadd(f"carnator:r:{legacy}", entry)
+        names.add(legacy)
+    admin.delete("carnator:sz", "carnator:bytes")
+    return names
+
+
+def test_a_farm_made_before_per_write_files_is_read_evicted_and_freed(redis_server, blobs, monkeypatch):
+    import redis
+    admin = redis.Redis.from_url(redis_server.url)
+    store = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    entries = [_put(store, seed % 2, elems=1 << 18) for seed in range(4)]   # two pairs of equal blobs
+    store.close()
+    legacy = _as_made_before_per_write_files(store, admin, blobs, entries)
+    assert set(_blob_files(blobs)) == legacy and len(legacy) == 2
+    monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
+    old = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)
+    for seed, entry in enumerate(entries):
+        assert old.trajectory(old.record(entry)).checkpoints[4][0, 0] == seed % 2
+    size = old.record(entries[0]).size_bytes
+    assert old._backend.total_bytes() == 4 * size                        # counted from the old metadata
+    new = _put(old, 5, elems=1 << 18)
+    assert len(old.set_size_limit(3 * size)) == 2                          # two leave: the limit, not more
+    assert old._backend.total_bytes() == 3 * size == sum(r.size_bytes for r in old.records())
+    for entry in [e for e in entries if e in {r.entry_id for r in old.records()}]:
+        old.delete(entry)
+    assert _blob_files(blobs) == [admin.get(f"carnator:f:{new}").decode()]   # each legacy file once unreferenced
+    old.close()
