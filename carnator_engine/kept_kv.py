@@ -39,13 +39,15 @@ class TorchMemory:
     def read(self, device: torch.device) -> Optional[MemoryReading]:
         if device.type != "cuda":
             return None
-        if self._free_memory is not None:
-            free = int(self._free_memory(device))
-        else:
-            free = int(torch.cuda.mem_get_info(device)[0]) + int(torch.cuda.memory_reserved(device)) \
-                - int(torch.cuda.memory_allocated(device))
         return MemoryReading(int(torch.cuda.memory_allocated(device)), int(torch.cuda.max_memory_allocated(device)),
-                             free)
+                             self.free(device))
+
+    def free(self, device: torch.device) -> int:
+        """Bytes the host can still give on `device` (torch's cache of freed blocks included)."""
+        if self._free_memory is not None:
+            return int(self._free_memory(device))
+        return int(torch.cuda.mem_get_info(device)[0]) + int(torch.cuda.memory_reserved(device)) \
+            - int(torch.cuda.memory_allocated(device))
 
     @staticmethod
     def host_available() -> int:

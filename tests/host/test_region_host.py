@@ -178,3 +178,16 @@ def test_a_nudge_that_touches_one_region_resumes_region_only(comfy, plugin, host
     assert 0 < decision.numbers["region_share"] <= 0.6
     grid = decision.target_cells.shape
     assert decision.target_cells[:, : max(1, grid[1] // 4), : max(1, grid[2] // 4)].all()   # the corner is in it
+
+
+def test_the_kept_keys_budget_reads_comfyuis_free_memory(comfy, plugin, tiny_model, conds, monkeypatch):
+    """Under ComfyUI the region-only budget takes the free GPU memory from ComfyUI's model management (what its
+    own loading decisions use), not from torch alone."""
+    import comfy.model_management
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    asked = []
+    monkeypatch.setattr(comfy.model_management, "get_free_memory", lambda device=None, *a, **k: asked.append(device)
+                        or 123 << 20)
+    positive, negative = conds
+    runner = ComfyRunner(tiny_model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
+    assert runner.memory.free(torch.device("cuda", 0)) == 123 << 20 and asked == [torch.device("cuda", 0)]
