@@ -191,6 +191,10 @@ def test_a_file_put_in_place_of_a_blob_or_of_the_snapshot_is_never_deleted_or_ov
     snapshot.write_bytes(marker_header + b"the user's snapshot")     # and a user's file at the snapshot's name
     store._save_snapshot()
     assert snapshot.read_bytes() == marker_header + b"the user's snapshot"
+    from carnator_engine.store import index_snapshot
+    snapshot.write_bytes(marker_header + index_snapshot.MAGIC + b"...")   # one an older Carnator wrote: replaced
+    store._save_snapshot()
+    assert snapshot.read_bytes().startswith(header(store._backend._secret) + index_snapshot.MAGIC)
     taken = "0123456789abcdef"                                       # and one at a new entry's blob name
     (directory / "blobs" / f"{taken}.blob").write_bytes(b"someone's")
     with pytest.raises(StoreError, match="taken by a file this store did not write"):
