@@ -460,9 +460,9 @@ def test_the_demo_states_a_speed_ratio_only_for_steady_timings_and_always_the_mo
     ratio = steady_ratio(plain, hit)
     assert ratio == pytest.approx(1.22 / 0.91)
     said, captions = hit_timing_words(plain, hit, ratio, 15, 20, 3, "load average 4.0 on 2 cores")
-    assert said.startswith("0.91 s against 1.22 s for the plain sampler (1.3x faster; median CPU time of 3")
+    assert said.startswith("0.91 s against 1.22 s for the plain sampler (1.34x faster; median CPU time of 3")
     assert "include waiting for other programs: load average 4.0" in said and said.endswith("15 model calls of 20")
-    assert captions[1] == "Carnator hit: 15 model calls, 0.91 s CPU time (1.3x faster)"
+    assert captions[1] == "Carnator hit: 15 model calls, 0.91 s CPU time (1.34x faster)"
     scattered = [Timed(0.9, 0.9), Timed(1.2, 1.2), Timed(0.91, 0.91)]
     assert steady_ratio(plain, scattered) is None and steady_ratio(plain[:1], hit[:1]) is None
     said, captions = hit_timing_words(plain, scattered, None, 15, 20, 3, "load average 4.0 on 2 cores")

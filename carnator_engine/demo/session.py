@@ -115,7 +115,7 @@ def hit_timing_words(plain: list, hit: list, ratio: Optional[float], calls: int,
     if ratio is not None:
         plain_cpu, hit_cpu = (statistics.median(run.cpu for run in runs) for runs in (plain, hit))
         plain_wall, hit_wall = (statistics.median(run.wall for run in runs) for runs in (plain, hit))
-        speed = speed_in_words(ratio, 1.0)
+        speed = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"    # medians: two digits
         wall = (f"wall time {hit_wall:.2f} s against {plain_wall:.2f} s" if all(run.steady for run in plain + hit)
                 else f"the wall times, {hit_wall:.2f} s against {plain_wall:.2f} s, include waiting for other "
                      f"programs: {load}")
