@@ -436,6 +436,8 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
             observer.steps_run, "step_cache": getattr(runner, "step_cache", None),
             "step_cache_skipped": observer.step_cache_skipped}
     warnings += store.drain_problems()   # drained before the write is queued: a failure of it is the next request's
+    compile_warnings = getattr(runner, "compile_warnings", None)    # a compiled model recompiling on every run
+    warnings += compile_warnings() if compile_warnings is not None else []
     written = time.perf_counter()
     storing = None
     if probed.uncacheable:

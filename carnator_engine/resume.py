@@ -104,6 +104,12 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
         decision = dataclasses.replace(_with_reason(decision, reason, {}),
                                        region="whole clip: the cached generation has no usable final latent")
         return decision, None, reason
+    unfit = getattr(runner, "region_only_unfit", "")     # the runner's model cannot run it (a static-shape compile)
+    if unfit:
+        reason = f"region-only resume not possible: {unfit}; whole-clip resume"
+        decision = dataclasses.replace(_with_reason(decision, reason, {"region_only": False}),
+                                       region="whole clip: " + unfit.split(" (")[0])
+        return decision, None, reason
     # the gate's target cells and the cells holding most of the difference, joined over the latent (the two may
     # come on different grids: a benchmark forces a target over the latent itself)
     cells = latent_mask(decision.target_cells, fhw)

@@ -8,8 +8,10 @@ model forward is copied):
 - the sampler callback (step, x0, x): the step's denoised estimate (observer.step_end, sent once the latent
   leaving the step is known) and the sampler's own x entering the step, kept as the checkpoint (samplers
   that evaluate a predictor at the next sigma, e.g. heun, would otherwise start a step with the predictor).
+- WrappersMP.SAMPLER_SAMPLE: transformer_options["sample_sigmas"] is the request's whole schedule.
 - patches_replace["dit"][("double_block", i)]: runs the block (or the replacement another node installed
-  there) with block_index set on a copy of transformer_options, then observer.block_output(i, hidden).
+  there) with block_index set on a copy of transformer_options, then observer.block_output(i, hidden); the
+  first block counts the forward (observer.forward).
 - transformer_options["optimized_attention_override"]: chained to any override already installed
   (SageAttention nodes and the like); self-attention over the video tokens goes through
   observer.self_attention with the rest of the chain as its `dense` function.
@@ -18,13 +20,19 @@ Latent spaces: the engine works in model space (ComfyUI's process_latent_in). Fl
 from sigma * noise + (1 - sigma) * latent, so a run entering at sigma = 1 passes x as the noise, and any
 other entry passes zero noise and the latent x / (1 - sigma) in the latent format; the sampler's output is
 mapped back the same way. ComfyUI is imported inside functions only.
+
+The hooks are the same objects in every run, so a compiled model (torch.compile) compiles around them once (see "the
+hooks" below, and compiled.py for the options refused and the recompile watch).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -32,6 +40,7 @@ import torch
 
 from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
 from ..kept_kv import TorchMemory
+from .compiled import CompileWatch, compile_settings, region_only_unfit, whole_model_refusal
 from .conditioning import conditioning_fingerprint, start_image_fingerprint
 from .model_key import host_version, model_key
 from .refused import refusal
@@ -108,6 +117,9 @@ def _patch_size(diffusion) -> Optional[tuple]:
 
 def backbone_for(model) -> HostBackbone:
     """The backbone behind a ComfyUI MODEL (ModelPatcher), or UnsupportedModelError naming its class."""
+    whole = whole_model_refusal(model)
+    if whole:
+        raise UnsupportedModelError(f"Carnator: {whole}")
     base = getattr(model, "model", None)
     name = type(base).__name__
     diffusion = getattr(base, "diffusion_model", None)
@@ -157,6 +169,7 @@ class _Run:
                  total_steps: int, step_callback: Optional[StepCallback], carry: StepCacheCarry, lane: str):
         self.observer = observer
         self.layout = layout
+        self.schedule = sigmas
         self.sigmas = [float(s) for s in sigmas[start:end + 1]]
         self.start = start
         self.count = end - start
@@ -229,56 +242,139 @@ class _Run:
         self.first_denoised.clear()
 
 
-def _predict_noise_wrapper(run: _Run):
-    def wrapper(executor, *args, **kwargs):
-        run.before_evaluation(args[0], args[1])
-        run.step_cache(args[2], executor.class_obj, evaluated=False)
-        out = executor(*args, **kwargs)
-        run.step_cache(args[2], executor.class_obj, evaluated=True)
-        run.after_evaluation(out)
-        return out
-    return wrapper
+# ---- the hooks ----------------------------------------------------------------------------------
+# Every hook is one object per (block, chained function), the same in every run and request, and reads the run in
+# progress from _ACTIVE. Under torch.compile (ComfyUI's TorchCompileModel, KJNodes' compile nodes) dynamo guards on
+# the hooks it meets, so hooks that stay the same objects and keep their state outside traced code are compiled
+# around once, not once per run. What records or changes a run's tensors (the observer, a region's tokens, the
+# attention override with whatever it chains to) is torch.compiler.disable'd: it runs eagerly, a graph break
+# between compiled graphs at a place where the tensors are whole anyway (between blocks, around the attention
+# kernel), while the blocks themselves stay compiled.
+
+class _ActiveRun(threading.local):
+    run: Optional[_Run] = None      # the run() in progress on this thread (ComfyUI samples on one thread)
 
 
-def _forward_counter(run: _Run):
-    """DIFFUSION_MODEL, innermost: one call per forward the diffusion model really runs (a cond/uncond batch
-    as ComfyUI runs it), after any step cache has decided to skip or not."""
-    def wrapper(executor, *args, **kwargs):
-        run.observer.forward()
-        return executor(*args, **kwargs)
-    return wrapper
+_ACTIVE = _ActiveRun()
+
+
+@contextlib.contextmanager
+def _running(run: _Run):
+    previous, _ACTIVE.run = _ACTIVE.run, run
+    try:
+        yield
+    finally:
+        _ACTIVE.run = previous
+
+
+def _predict_noise_wrapper(executor, *args, **kwargs):
+    """PREDICT_NOISE, outermost (outside any compiled model): every evaluation the sampler asks for."""
+    run = _ACTIVE.run
+    run.before_evaluation(args[0], args[1])
+    run.step_cache(args[2], executor.class_obj, evaluated=False)
+    out = executor(*args, **kwargs)
+    run.step_cache(args[2], executor.class_obj, evaluated=True)
+    run.after_evaluation(out)
+    return out
+
+
+def _whole_schedule(executor, guider, sigmas, extra_args, *args, **kwargs):
+    """SAMPLER_SAMPLE: transformer_options["sample_sigmas"] is the request's whole schedule, as in one KSampler run,
+    not this run's part of it. Nodes that place a step within the schedule (hook keyframes, context windows) then see
+    each step where KSampler shows it, and a compiled model sees a schedule of one length in every run: dynamo guards
+    on the shape of that tensor, and parts of different lengths would recompile it."""
+    options = extra_args["model_options"].setdefault("transformer_options", {})
+    options["sample_sigmas"] = _ACTIVE.run.schedule.to(sigmas.device, sigmas.dtype)
+    return executor(guider, sigmas, extra_args, *args, **kwargs)
+
+
+def _skipped_frame(function):
+    """`function` with its own frame never compiled by dynamo (its callees still are), decided once per code object:
+    torch.compiler.disable(recursive=False) would try to compile the frame again on every call."""
+    skip = getattr(getattr(torch._dynamo, "decorators", None), "skip", None)
+    return skip(function) if skip is not None else torch.compiler.disable(function, recursive=False)
 
 
 _UNCUT = ("img", "txt", "transformer_options")   # block arguments a region-only step never cuts to its tokens
 
 
-def _block_patch(run: _Run, index: int, inner, last: bool, joint_text: bool):
-    """A region-only resume's step (observer.region active) cuts the tokens to its target at the first block, the
-    block arguments with a token axis (rope, per-token modulation, a joint padding mask) at every block, and puts
-    the tokens back at the last."""
-    def patch(args, extra):
-        options = dict(args.get("transformer_options") or {})
-        options["block_index"] = index          # on a copy: nothing leaks into other blocks or runs
-        args = dict(args, transformer_options=options)
-        region = getattr(run.observer, "region", None)
-        img = args["img"]
-        tokens = run.tokens if index == 0 or region is None else region.video_tokens()
-        if img.shape[1] < tokens or ("txt" in args and img.shape[1] != tokens):
-            raise UnsupportedModelError(
-                f"Carnator: block {index} carries {img.shape[1]} image tokens for a latent of {tokens}: a "
-                "reference latent or image conditioning adds tokens the signature does not compare; use a "
-                "regular KSampler for it")
-        if region is not None:
-            if index == 0:
-                args["img"] = region.gather(img, args["txt"].shape[1] if joint_text and "txt" in args else None)
-            args = {key: value if key in _UNCUT else region.gather_like(value) for key, value in args.items()}
-            tokens = region.video_tokens()
-        out = inner(args, extra) if inner is not None else extra["original_block"](args)
-        run.observer.block_output(index, out["img"][:, :tokens])   # single-stream blocks carry the text after
-        if region is not None and last:
-            out = dict(out, img=region.scatter(out["img"]))
-        return out
-    return patch
+class _BlockPatch:
+    """patches_replace["dit"] for one block, around `inner` (another node's replacement there, or None): the block
+    with the observer's hooks before and after it. A region-only resume's step (observer.region active) cuts the
+    tokens to its target at the first block and puts them back at the last. Dynamo never compiles __call__ itself
+    (a compiled frame of it would be guarded on the patch, one per block), only the block it calls."""
+
+    def __init__(self, index: int, inner, last: bool, joint_text: bool):
+        self.index, self.inner, self.last, self.joint_text = index, inner, last, joint_text
+
+    @_skipped_frame
+    def __call__(self, args, extra):
+        args, tokens = _enter_block(self, args)
+        out = self.inner(args, extra) if self.inner is not None else extra["original_block"](args)
+        return _leave_block(self, out, tokens)
+
+
+@torch.compiler.disable
+def _enter_block(patch: _BlockPatch, args: dict) -> tuple:
+    """(the block's arguments, its video tokens): block_index set on a copy of transformer_options (nothing leaks into
+    other blocks or runs); in a region-only step the tokens cut to the target (image tokens at the first block, every
+    argument with a token axis at each)."""
+    run, index = _ACTIVE.run, patch.index
+    if index == 0:      # one call per forward the diffusion model really runs (a cond/uncond batch as ComfyUI runs
+        run.observer.forward()    # it), after any step cache has decided to skip or not
+    options = dict(args.get("transformer_options") or {})
+    options["block_index"] = index
+    args = dict(args, transformer_options=options)
+    region = getattr(run.observer, "region", None)
+    img = args["img"]
+    tokens = run.tokens if index == 0 or region is None else region.video_tokens()
+    if img.shape[1] < tokens or ("txt" in args and img.shape[1] != tokens):
+        raise UnsupportedModelError(
+            f"Carnator: block {index} carries {img.shape[1]} image tokens for a latent of {tokens}: a "
+            "reference latent or image conditioning adds tokens the signature does not compare; use a "
+            "regular KSampler for it")
+    if region is not None:
+        if index == 0:
+            args["img"] = region.gather(img, args["txt"].shape[1] if patch.joint_text and "txt" in args else None)
+        cut = {key: value if key in _UNCUT else region.gather_like(value) for key, value in args.items()}
+        for key in cut:
+            _dynamic_tokens(img if key == "img" else args[key], cut[key])
+        args, tokens = cut, region.video_tokens()
+    return args, tokens
+
+
+def _dynamic_tokens(whole, cut) -> None:
+    """Marks the token axis of a block argument a region step cut as dynamic for torch.compile: the first region-only
+    step compiles the blocks once for any token count, even where the compile node asked for static shapes
+    (KJNodes' dynamic=False); otherwise every target size would be compiled anew. Uncompiled, a no-op."""
+    if isinstance(cut, (tuple, list)):
+        for w, c in zip(whole, cut):
+            _dynamic_tokens(w, c)
+    elif torch.is_tensor(cut) and torch.is_tensor(whole) and cut.dim() == whole.dim() and cut.shape != whole.shape:
+        for dim, (a, b) in enumerate(zip(whole.shape, cut.shape)):
+            if a != b:
+                torch._dynamo.maybe_mark_dynamic(cut, dim)
+
+
+@torch.compiler.disable
+def _leave_block(patch: _BlockPatch, out: dict, tokens: int) -> dict:
+    run = _ACTIVE.run
+    run.observer.block_output(patch.index, out["img"][:, :tokens])   # single-stream blocks carry the text after
+    region = getattr(run.observer, "region", None)
+    if region is not None and patch.last:
+        out = dict(out, img=region.scatter(out["img"]))
+    return out
+
+
+def _stable(factory, *key):
+    """factory(*key), the same object for the same key (an unhashable key: a new one)."""
+    try:
+        return factory(*key)
+    except TypeError:
+        return factory.__wrapped__(*key)
+
+
+_block_patch = functools.lru_cache(maxsize=1024)(_BlockPatch)
 
 
 def _kept_keys(mask: torch.Tensor, length: int, video_tokens: int) -> Optional[torch.Tensor]:
@@ -294,13 +390,19 @@ def _kept_keys(mask: torch.Tensor, length: int, video_tokens: int) -> Optional[t
     return keep
 
 
-def _attention_override(run: _Run, previous, joint_text: bool):
+@functools.lru_cache(maxsize=1024)
+def _attention_override(previous, joint_text: bool):
+    """transformer_options["optimized_attention_override"], chained to `previous` (another node's override, or None):
+    self-attention over the video tokens goes through the observer, the rest of the chain as its dense function.
+    Not traced (it and the chain run eagerly around the attention kernel): the observer reads and keeps tensors."""
     def next_in_chain(func, *args, **kwargs):
         if previous is not None:
             return previous(func, *args, **kwargs)
         return func(*args, **kwargs)
 
+    @torch.compiler.disable
     def override(func, *args, **kwargs):
+        run = _ACTIVE.run
         options = kwargs.get("transformer_options") or {}
         block = options.get("block_index")
         heads = args[3] if len(args) > 3 else kwargs.get("heads")
@@ -406,7 +508,7 @@ class ComfyRunner:
         self.step_callback = step_callback
         self.disable_pbar = disable_pbar
         self.sampler = f"{sampler_name}/cfg={cfg:g}"
-        self.counts_forwards = True                  # at the diffusion model (_forward_counter)
+        self.counts_forwards = True                  # at the first block (_enter_block)
         self.request_fingerprint = conditioning_fingerprint(positive, negative, self.seed)
         if noise_mask is not None and latent_image is None:
             raise ValueError("a noise_mask needs the latent_image it keeps")
@@ -421,6 +523,11 @@ class ComfyRunner:
         self.image_fingerprint = start_image_fingerprint(positive, negative, self.kept_latent, self.noise_mask)
         self.carry = StepCacheCarry()                # the step cache's state from one run of the request to the next
         self.memory = TorchMemory(_host_free_memory)   # what a region-only resume may keep on the GPU (kept_kv)
+        # what torch compiles in this request's runs, when a model is compiled (shared by with_step_callback's clones)
+        settings = [compile_settings(m) for m in (model, low_noise_model) if m is not None]
+        self.compile_watch = CompileWatch() if any(s is not None for s in settings) else None
+        # why a hit resumes whole-clip rather than region-only on this model ("" when it may): resume.plan_region
+        self.region_only_unfit = next(filter(None, map(region_only_unfit, settings)), "")
         self.low_noise_model, self.switch_step = None, None
         if low_noise_model is not None:
             self._add_low_noise_expert(low_noise_model, sampler_name, scheduler, steps, switch_step, boundary_sigma)
@@ -525,23 +632,22 @@ class ComfyRunner:
         clone.step_callback = step_callback
         return clone
 
-    def _patched_clone(self, source, run: _Run):
+    def _patched_clone(self, source):
+        """A clone of `source` with Carnator's hooks: the same functions for every run (see _ACTIVE)."""
         from comfy.patcher_extension import WrappersMP, add_wrapper_with_key
         model = source.clone()
         replaced = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
         for index, (kind, number) in enumerate(self.backbone.block_keys):
-            inner = replaced.get((kind, number))
             last = index == self.backbone.num_blocks - 1
-            model.set_model_patch_replace(_block_patch(run, index, inner, last, self.backbone.joint_text), "dit",
-                                          kind, number)
+            patch = _stable(_block_patch, index, replaced.get((kind, number)), last, self.backbone.joint_text)
+            model.set_model_patch_replace(patch, "dit", kind, number)
         options = model.model_options.setdefault("transformer_options", {})
-        options["optimized_attention_override"] = _attention_override(
-            run, options.get("optimized_attention_override"), self.backbone.joint_text)
+        options["optimized_attention_override"] = _stable(
+            _attention_override, options.get("optimized_attention_override"), self.backbone.joint_text)
         # first among the patcher's wrappers (which run outside model_options' own): outermost
-        model.wrappers[WrappersMP.PREDICT_NOISE] = {HOOK_KEY: [_predict_noise_wrapper(run)],
+        model.wrappers[WrappersMP.PREDICT_NOISE] = {HOOK_KEY: [_predict_noise_wrapper],
                                                     **model.wrappers.get(WrappersMP.PREDICT_NOISE, {})}
-        # last among model_options' wrappers: innermost, so a step cache's skipped forwards are not counted
-        add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, HOOK_KEY, _forward_counter(run), model.model_options,
+        add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, HOOK_KEY, _whole_schedule, model.model_options,
                              is_model_options=True)
         return model
 
@@ -560,6 +666,21 @@ class ComfyRunner:
             start = switch
         return self._run(self.expert_for(start), x, sigmas, start, end, observer)
 
+    def _watched(self, source, run: _Run, x: torch.Tensor):
+        """Counts what torch compiles during one run of a compiled model (CompileWatch), keyed by what a compiled
+        model's graphs depend on: the expert and its options, the latent shape, the schedule, guidance (cfg 1 runs
+        one batch), the steps run and whether the tokens are cut to a region."""
+        if self.compile_watch is None:
+            return contextlib.nullcontext()
+        fingerprint = self.model_fingerprint if source is self.model else f"low:{self.model_fingerprint}"
+        key = (fingerprint, tuple(x.shape), len(run.schedule), self.cfg == 1.0, run.start, run.start + run.count,
+               getattr(run.observer, "region", None) is not None)
+        return self.compile_watch.run(key)
+
+    def compile_warnings(self) -> list:
+        """A recompile storm in this request's runs, or torch's recompile limit hit (CompileWatch)."""
+        return self.compile_watch.warnings() if self.compile_watch is not None else []
+
     def _run(self, source, x: torch.Tensor, sigmas: torch.Tensor, start: int, end: int, observer) -> torch.Tensor:
         import comfy.model_management
         import comfy.sample
@@ -570,7 +691,7 @@ class ComfyRunner:
         sub = schedule[start:end + 1].clone()
         run = _Run(observer, self.layout, schedule, start, end, steps, self.step_callback, self.carry,
                    "low" if source is not self.model else "high")
-        model = self._patched_clone(source, run)
+        model = self._patched_clone(source)
         x = x.detach().to("cpu", torch.float32)
         sigma0 = float(sub[0])
         if sigma0 <= 0.0:
@@ -578,7 +699,7 @@ class ComfyRunner:
         noise, latent = self._sampler_start(x, sigma0)
         sampler = comfy.samplers.sampler_object(self.sampler_name)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _running(run), self._watched(source, run, x):
                 out = comfy.sample.sample_custom(model, noise, self.cfg, sampler, sub, self.positive, self.negative,
                                                  latent, noise_mask=self.noise_mask, callback=run.callback,
                                                  disable_pbar=self.disable_pbar, seed=self.seed)

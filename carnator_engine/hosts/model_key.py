@@ -100,7 +100,8 @@ def _for_people(unknown: str) -> str:
 class _Walk:
     """Digest of option values; what it cannot read is collected by name."""
 
-    def __init__(self):
+    def __init__(self, own: frozenset = frozenset()):
+        self.own = own              # ids of the model's own modules (their weights are keyed as the model's)
         self.digest = hashlib.sha256()
         self.unknown: list = []
         self.step_cache: Optional[StepCache] = None
@@ -197,6 +198,17 @@ class _Walk:
                 self._text(repr(const))
 
     def _module(self, path: str, module: torch.nn.Module, depth: int) -> None:
+        compiled = getattr(module, "_orig_mod", None)
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) and isinstance(compiled, torch.nn.Module):
+            # torch.compile of a module: what it compiles. The model's own diffusion model or block (compile nodes)
+            # is keyed by the model's weights and patches already; its weights read now would be whichever LoRA
+            # ComfyUI last patched into them in place
+            self._text("compiled")
+            if id(compiled) in self.own:
+                self._text(f"own:{portable_module_name(type(compiled).__module__)}.{_qualname(compiled)}")
+            else:
+                self._module(path, compiled, depth + 1)
+            return
         self._text(f"module:{portable_module_name(type(module).__module__)}.{_qualname(module)}")
         self._text(module_fingerprint(module))
         for name, buffer in module.named_buffers():    # non-persistent buffers (a schedule's sigmas) too
@@ -392,7 +404,7 @@ def model_key(model, backbone) -> ModelKey:
     if weights is None:
         weights = _BASE_WEIGHTS[diffusion] = module_fingerprint(_LoadedWeights(model))
     base = model.model
-    walk = _Walk()
+    walk = _Walk(own=frozenset(id(m) for m in base.modules()))
     formats = weight_formats(diffusion)
     walk.add("base", [weights, backbone.model_class, type(diffusion).__name__, backbone.layout.name,
                       str(backbone.layout.patch_size), str(model.model_dtype()),
