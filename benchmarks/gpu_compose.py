@@ -34,11 +34,20 @@ ComfyUI's attention_sage as an optimized_attention_override, as KJNodes' "sageat
 speedup is against plain sampling with the same patch; one extra case, "plain (default attention)", times the
 model without it. A hit attends sparsely with Carnator's kernel where its cached connectivity applies and through
 SageAttention elsewhere (cross-attention, dense blocks).
+With --compile the model is compiled as ComfyUI's TorchCompileModel compiles it (the whole diffusion model,
+--compile-backend, inductor by default) and plain, miss, hit and the region-only hits run compiled, warm: the warm-ups
+(each path run at two schedule lengths, and the region warm-up) take the compiles,
+reported apart as compile.warm_up_s, and any compile inside the timed cases is counted (compile.compiles_in_cases,
+0 when the timings hold no compile); one extra case, "plain (uncompiled)", times the model as it is. cfg 5 and the
+EasyCache cases are left out (EasyCache inside a compiled model recompiles it at every step, with or without
+Carnator). Goals: the compiled miss within 1 % of compiled plain; the compiled hit >= 2.2x compiled plain.
 
   python3 benchmarks/gpu_compose.py --out benchmarks/results/gpu/gpu_compose_h200.json
   python3 benchmarks/gpu_compose.py --smoke --out /tmp/compose.json      # tiny, CPU
   python3 benchmarks/gpu_compose.py --attention sage --skip-cfg5 --repeats 1 --easycache-thresholds 0.4 \
       --out benchmarks/results/gpu/gpu_compose_sage_h200.json
+  python3 benchmarks/gpu_compose.py --compile --repeats 1 --region-shares 0.3 --region-resident-shares "" \
+      --out benchmarks/results/gpu/gpu_compose_compile_h100.json
 """
 from __future__ import annotations
 
@@ -81,7 +90,13 @@ def parse_args(argv=None):
                              "(region_memory_margin 100), beside the bounded default; empty: none")
     parser.add_argument("--attention", choices=("default", "sage"), default="default",
                         help="sage: every case with SageAttention's Triton kernels (the sageattention package)")
-    return parser.parse_args(argv)
+    parser.add_argument("--compile", action="store_true",
+                        help="every case on the model compiled as ComfyUI's TorchCompileModel does "
+                             "(cfg 1, no EasyCache)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend with --compile")
+    args = parser.parse_args(argv)
+    args.skip_cfg5 = args.skip_cfg5 or args.compile
+    return args
 
 
 class SageAttention:
@@ -93,9 +108,11 @@ class SageAttention:
         import comfy.ldm.modules.attention as attention
         if not getattr(attention, "SAGE_ATTENTION_IS_AVAILABLE", False):
             raise SystemExit("--attention sage: the sageattention package is not importable here")
+        from carnator_engine.hosts.compiled import eager_frame
         self.calls, self.failures = 0, []
         kernel = attention.sageattn
 
+        @eager_frame      # with --compile: the count stays out of traced code
         def counted_kernel(*args, **kwargs):
             self.calls += 1
             try:
@@ -120,18 +137,47 @@ class SageAttention:
             raise RuntimeError(f"SageAttention did not run: {self.calls} kernel calls, failures {self.failures[:3]}")
 
 
-def counted(model):
-    """A clone whose diffusion model forwards are counted (declared an observer: not part of Carnator's key)."""
-    from comfy.patcher_extension import WrappersMP
-    clone = model.clone()
-    calls = [0]
+_CALLS = [0]       # diffusion model forwards since the last counted(): one case runs at a time
 
-    def count(executor, *args, **kwargs):
-        calls[0] += 1
-        return executor(*args, **kwargs)
-    count.carnator_fingerprint = ""
-    clone.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, "carnator_bench_counter", count)
-    return clone, calls
+
+def _count(executor, *args, **kwargs):
+    _CALLS[0] += 1
+    return executor(*args, **kwargs)
+
+
+_count.carnator_fingerprint = ""
+
+
+def counted(model):
+    """A clone whose diffusion model forwards are counted (declared an observer: not part of Carnator's key). One
+    wrapper for every case, its frame never compiled (with --compile, a counter read in traced code would recompile the
+    model at every call, and a new wrapper per case would recompile it per case)."""
+    from comfy.patcher_extension import WrappersMP
+    from carnator_engine.hosts.compiled import eager_frame
+    clone = model.clone()
+    _CALLS[0] = 0
+    clone.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, "carnator_bench_counter", eager_frame(_count))
+    return clone, _CALLS
+
+
+def compiled(model, backend):
+    """The model compiled as ComfyUI's TorchCompileModel node compiles it (its whole diffusion model)."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    clone = model.clone()
+    set_torch_compile_wrapper(clone, backend=backend)
+    return clone
+
+
+class Compiles:
+    """The frames torch compiles while the benchmark runs (dynamo's compile-start callback)."""
+
+    def __init__(self):
+        from torch._dynamo import callback_handler
+        self.ids = []
+        callback_handler.register_start_callback(lambda args: self.ids.append(str(args.compile_id)))
+
+    def __len__(self):
+        return len(self.ids)
 
 
 def with_easycache(model, threshold, args):
@@ -160,6 +206,9 @@ def run(args):
     if args.attention == "sage":
         sage = SageAttention()
         model = sage.on(model)
+    uncompiled, compiles = model, None
+    if args.compile:
+        model, compiles = compiled(model, args.compile_backend), Compiles()
     gen = torch.Generator().manual_seed(args.seed)
     latent_shape = tuple(preset["latent"])
     noise = torch.randn(latent_shape, generator=gen)
@@ -168,7 +217,7 @@ def run(args):
     config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
-           "attention": args.attention,
+           "attention": args.attention, "compile": {"backend": args.compile_backend} if args.compile else None,
            "config": {"steps": n, "probe": p, "resume": k, "latent": list(latent_shape), "repeats": args.repeats,
                       "max_density": args.max_density, "easycache_start": args.easycache_start,
                       "easycache_end": args.easycache_end}, "gate_overrides": {}, "cases": {}, "easycache_sweep": {}}
@@ -244,11 +293,14 @@ def run(args):
         shares = args.region_shares if shares is None else shares
         if shares and "region_warm_up_s" not in out:
             out["region_warm_up_s"] = None
+            before = len(compiles or ())
             try:
                 with timed() as span:
                     region_hits(runner, store, config, noise, runner.sigmas, k, args.seed, shares[:1], log,
                                 lambda latent: {}, " (warm-up)")
                 out["region_warm_up_s"] = span["seconds"]
+                if compiles is not None:
+                    out["compile"]["region_warm_up_compiles"] = len(compiles) - before
             except Exception:
                 out.setdefault("region_errors", {})["warm-up"] = traceback.format_exc()
                 log(f"region warm-up FAILED:\n{traceback.format_exc()}")
@@ -273,12 +325,17 @@ def run(args):
 
     try:
         sigmas = ComfyRunner.schedule(model, "euler", "simple", n)
+        warming = time.perf_counter()
+        warm_model = counted(model)[0]    # the timed cases' model, counter included (compiled: the same graphs)
         with timed() as span:
-            plain_sample(model, noise, sigmas[:3], positive, negative, args.seed)
+            # compiled: 2 steps, then 3: dynamo guards on the schedule's length (transformer_options["sample_sigmas"]),
+            # and a second length compiles the graphs for any, the timed runs' included
+            for short in ((3, 4) if args.compile else (3,)):
+                plain_sample(warm_model, noise, sigmas[:short], positive, negative, args.seed)
         log(f"warm-up dense (2 steps) {span['seconds']:.1f} s")
         with timed() as span:    # the Carnator path and the block-sparse kernel at this shape, out of the timings
             warm_steps = min(n, 10)
-            warm = runner_for(model, 1.0, warm_steps)
+            warm = runner_for(warm_model, 1.0, warm_steps)
             warm_config = CarnatorConfig(probe_steps=2, block_size=preset["block_size"], max_density=args.max_density)
             warm_result = generate(warm, noise, warm.sigmas, new_store("warm-up"), warm_config, PROMPT, args.seed)
             connectivity = stores[-1].trajectory(stores[-1].record(warm_result.entry_id)).connectivity
@@ -286,8 +343,13 @@ def run(args):
             sparse = plan_from_tensors(connectivity, torch.zeros(tokens, dtype=torch.bool))
             warm.run(noise * float(warm.sigmas[warm_steps - 2]), warm.sigmas, warm_steps - 2, warm_steps,
                      GenerationObserver(sparse=sparse))
+            if args.compile:     # Carnator's runs at a second schedule length (as plain's above)
+                runner_for(warm_model, 1.0).run(noise, sigmas, 0, 2, GenerationObserver())
         log(f"warm-up Carnator miss ({warm_steps} steps) + 2 sparse steps {span['seconds']:.1f} s")
         out["warm_up_s"] = span["seconds"]
+        if compiles is not None:
+            out["compile"].update(warm_up_s=time.perf_counter() - warming, warm_up_compiles=len(compiles))
+            cases["plain (uncompiled)"], latents["uncompiled"] = plain(uncompiled, 1.0, "plain (uncompiled)")
         if sage is not None:
             sage.check()
             cases["plain (default attention)"], latents["default attention"] = plain(default_model, 1.0,
@@ -322,6 +384,8 @@ def run(args):
                 cases.update(region(runner, store, calls, base_latent, " resident", args.region_resident_shares,
                                     dataclasses.replace(config, region_memory_margin=100.0)))
             save()
+            if args.compile:
+                continue      # EasyCache inside a compiled model recompiles it at every step: not timed so
             if cfg == 1.0:   # the threshold: the one nearest 2x at cfg 1, kept for cfg 5
                 for threshold in (float(t) for t in args.easycache_thresholds.split(",")):
                     facts, latents[f"easycache {threshold}"] = plain(with_easycache(model, threshold, args), cfg,
@@ -358,8 +422,13 @@ def run(args):
         if case.get("peak_bytes") and base.get("peak_bytes"):
             case["peak_vs_plain_pct"] = 100 * (case["peak_bytes"] / base["peak_bytes"] - 1)
     out["miss_extra_pct_vs_plain"] = 100 * (cases["miss"]["seconds"] / cases["plain"]["seconds"] - 1)
-    out["miss_easycache_extra_pct_vs_easycache"] = 100 * (cases["miss+easycache"]["seconds"]
-                                                          / cases["easycache"]["seconds"] - 1)
+    if "miss+easycache" in cases:
+        out["miss_easycache_extra_pct_vs_easycache"] = 100 * (cases["miss+easycache"]["seconds"]
+                                                              / cases["easycache"]["seconds"] - 1)
+    if compiles is not None:
+        out["compile"]["compiles_in_cases"] = (len(compiles) - out["compile"]["warm_up_compiles"]
+                                               - out["compile"].get("region_warm_up_compiles", 0))
+        cases["plain (uncompiled)"]["rel_l2_vs_plain"] = rel_diff(latents["uncompiled"], latents["plain"])
     if sage is not None:
         sage.check()
         out["sage_kernel_calls"] = sage.calls
@@ -380,12 +449,14 @@ def _kept(case) -> str:
 def print_table(out):
     c = out["config"]
     attention = " with SageAttention" if out.get("attention") == "sage" else ""
+    compile_ = out.get("compile")
+    easy = (f"EasyCache reuse_threshold {out['easycache_threshold']:g} (start {c['easycache_start']:g}, end "
+            f"{c['easycache_end']:g}; sweep: " + ", ".join(f"{t}: {v['model_calls']} calls"
+                                                          for t, v in out["easycache_sweep"].items()) + ")"
+            if "easycache_threshold" in out else f"compiled ({compile_['backend']}), no EasyCache")
     print(f"\nCarnator + EasyCache{attention}: {out['device']}, torch {out['torch']}, "
           f"ComfyUI {out['comfyui_version']}, "
-          f"{out['params'] / 1e9:.3f} B params, {out['dtype']}, N={c['steps']} p={c['probe']} k={c['resume']}, "
-          f"EasyCache reuse_threshold {out['easycache_threshold']:g} (start {c['easycache_start']:g}, end "
-          f"{c['easycache_end']:g}; sweep: " + ", ".join(f"{t}: {v['model_calls']} calls"
-                                                        for t, v in out["easycache_sweep"].items()) + ")")
+          f"{out['params'] / 1e9:.3f} B params, {out['dtype']}, N={c['steps']} p={c['probe']} k={c['resume']}, {easy}")
     print(f"| {'case':26} | {'seconds':>8} | {'calls':>5} | {'vs plain':>8} | {'vs EasyCache':>12} | "
           f"{'rel L2 vs plain':>15} | {'peak vs plain':>13} | {'token share':>11} | {'K/V GPU / streamed GiB':>22} |")
     print(f"|{'-' * 28}|{'-' * 10}|{'-' * 7}|{'-' * 10}|{'-' * 14}|{'-' * 17}|{'-' * 15}|{'-' * 13}|{'-' * 24}|")
@@ -396,10 +467,15 @@ def print_table(out):
               f"{case.get('speedup_vs_easycache', math.nan):>11.2f}x | "
               f"{'' if rel is None else f'{rel:.2e}':>15} | {'' if peak is None else f'{peak:+.1f} %':>13} | "
               f"{'' if share is None else f'{share:.3f}':>11} | {_kept(case):>22} |")
-    miss = out["cases"]["miss+easycache"]
-    print(f"miss+easycache vs easycache alone: rel L2 {miss['rel_l2_vs_easycache']:.2e}, "
-          f"{out['miss_easycache_extra_pct_vs_easycache']:+.2f} % time; plain miss {out['miss_extra_pct_vs_plain']:+.2f} "
-          f"% vs plain (medians of {out['config']['repeats']})")
+    if "miss+easycache" in out["cases"]:
+        miss = out["cases"]["miss+easycache"]
+        print(f"miss+easycache vs easycache alone: rel L2 {miss['rel_l2_vs_easycache']:.2e}, "
+              f"{out['miss_easycache_extra_pct_vs_easycache']:+.2f} % time")
+    print(f"plain miss {out['miss_extra_pct_vs_plain']:+.2f} % vs plain (medians of {out['config']['repeats']})")
+    if compile_:
+        print(f"compile warm-up {compile_['warm_up_s']:.1f} s ({compile_['warm_up_compiles']} frames compiled, "
+              f"{compile_.get('region_warm_up_compiles', 0)} more in the region warm-up); compiles inside the timed "
+              f"cases: {compile_['compiles_in_cases']}")
     print(f"total {out['total_seconds']:.1f} s")
 
 

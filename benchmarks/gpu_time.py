@@ -15,9 +15,15 @@ Costs, in units of a plain (dense) step, from the GPU run:
 A request's cost: its calls priced by what they are (an exact repeat costs its calls, usually none). The trace's
 schedule (20 steps) and the GPU run's (50) differ; the model prices steps, so only the share of each kind matters.
 
+The net figure a creator cares about, with --compiled-costs (a gpu_compose.py --compile run on the same card): the
+expected seconds of one request over the trace's decisions (hits, misses, exact repeats) for plain sampling, plain
+compiled, Carnator (its default, carnator_balanced) and Carnator compiled, each request at the GPU run's schedule
+(its plain steps scaled from the trace's N to the GPU run's).
+
     python3 benchmarks/gpu_time.py                     # the committed trace runs and H100 costs
     python3 benchmarks/gpu_time.py --costs benchmarks/results/gpu/gpu_compose_h100.json \
         --trace benchmarks/results/quality/trace_1000_randomize.json --out /tmp/gpu_time.json
+    python3 benchmarks/gpu_time.py --compiled-costs benchmarks/results/gpu/gpu_compose_compile_h100.json
 """
 from __future__ import annotations
 
@@ -51,7 +57,7 @@ def step_costs(compose: dict) -> dict:
             full = steps - resume - region_steps
             per_step = (case["resume_and_write_s"] / dense - full * sparse) / region_steps
             points.append((case["region_share"], per_step))
-    costs = {"device": compose["device"], "dense_s": dense, "miss": cases["miss"]["seconds"] / cases["plain"]["seconds"],
+    costs = {"device": compose["device"], "steps": steps, "dense_s": dense, "miss": cases["miss"]["seconds"] / cases["plain"]["seconds"],
              "sparse": sparse, "region_points": points}
     if len(points) >= 2:
         mean_s = sum(s for s, _ in points) / len(points)
@@ -95,16 +101,46 @@ def trace_gpu_time(trace: dict, rows: dict, costs: dict) -> dict:
     return out
 
 
+def seconds_per_request(trace: dict, rows: dict, setups: dict) -> dict:
+    """{habit: {setup: seconds}}: one request's expected seconds over a trace run's decisions, for plain sampling
+    ("plain ...", the trace's no_reuse requests) and Carnator's default ("Carnator ...", carnator_balanced) under each
+    setup's costs ({"plain": costs, "plain compiled": costs, "Carnator": costs, ...})."""
+    probe, steps = trace["args"]["probe_steps"], trace["args"]["steps"]
+    out = {}
+    for habit, methods in rows.items():
+        if "carnator_balanced" not in methods:      # a run of another risk level only
+            continue
+        out[habit] = {}
+        for setup, costs in setups.items():
+            carnator = setup.startswith("Carnator")
+            found = methods["carnator_balanced" if carnator else "no_reuse"]["trace"]
+            mean = sum(request_cost(r, carnator, probe, costs) for r in found) / len(found)
+            out[habit][setup] = round(mean * costs["dense_s"] * costs["steps"] / steps, 3)
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--costs", default=DEFAULT_COSTS, help="a gpu_compose.py JSON (per-step costs)")
     parser.add_argument("--trace", action="append", help="trace.py JSON(s), their rows beside them "
                         "(default: the committed 1,000-request runs of both seed habits)")
+    parser.add_argument("--compiled-costs", help="a gpu_compose.py --compile JSON of the same card: the expected "
+                        "seconds per request compiled too")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "benchmarks", "out", "trace_gpu_time.json"))
     args = parser.parse_args(argv)
     with open(args.costs) as handle:
         costs = step_costs(json.load(handle))
-    report = {"costs": {**costs, "source": os.path.relpath(args.costs, os.path.dirname(HERE))}, "habits": {}}
+    setups = {"plain": costs, "Carnator": costs}
+    report = {"costs": {**costs, "source": os.path.relpath(args.costs, os.path.dirname(HERE))}, "habits": {},
+              "seconds_per_request": {}}
+    if args.compiled_costs:
+        with open(args.compiled_costs) as handle:
+            compiled = step_costs(json.load(handle))
+        if compiled["device"] != costs["device"]:
+            raise SystemExit(f"--compiled-costs ran on {compiled['device']}, --costs on {costs['device']}: "
+                             "give runs of one card")
+        setups = {"plain": costs, "plain compiled": compiled, "Carnator": costs, "Carnator compiled": compiled}
+        report["compiled_costs"] = {**compiled, "source": os.path.relpath(args.compiled_costs, os.path.dirname(HERE))}
     for path in args.trace or DEFAULT_TRACES:
         with open(path) as handle:
             trace = json.load(handle)
@@ -112,6 +148,7 @@ def main(argv=None):
             rows = json.load(handle)
         for habit, methods in trace_gpu_time(trace, rows, costs).items():
             report["habits"].setdefault(habit, {}).update(methods)
+        report["seconds_per_request"].update(seconds_per_request(trace, rows, setups))
         report.setdefault("traces", []).append(os.path.relpath(path, os.path.dirname(HERE)))
     reports.write(args.out, report)
     print(f"GPU time per step ({costs['device']}): plain {costs['dense_s'] * 1e3:.0f} ms; a miss's step "
@@ -123,6 +160,11 @@ def main(argv=None):
         for method, f in methods.items():
             print(f"| {habit} | {method} | {f['gpu_time_saved']:.1%} | {f['calls_saved']:.1%} | "
                   f"{100 * f['change']:+.1f} ({100 * f['change_low']:+.1f} to {100 * f['change_high']:+.1f}) |")
+    print(f"\nExpected seconds per request over the trace's decisions, at the GPU run's {costs['steps']} steps:")
+    print("| seed habit | " + " | ".join(setups) + " |")
+    print("| --- |" + " --- |" * len(setups))
+    for habit, seconds in report["seconds_per_request"].items():
+        print(f"| {habit} | " + " | ".join(f"{seconds[setup]:.2f}" for setup in setups) + " |")
     return report
 
 

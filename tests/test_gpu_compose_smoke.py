@@ -33,3 +33,24 @@ def test_gpu_compose_smoke(tmp_path):
     assert len(cases["miss"]["runs_s"]) == len(cases["plain"]["runs_s"]) == 2
     assert cases["miss"]["write_after_s"] >= 0 and "write_back" in cases["miss"]["parts_s"]
     assert "| hit+easycache" in completed.stdout
+
+
+def test_gpu_compose_compiled_smoke(tmp_path):
+    """--compile (backend eager on the CPU: dynamo's compiles are the same whatever runs the graphs): plain, miss, hit
+    and a region-only hit on the compiled model, the warm-ups taking every compile and the timed cases none, beside
+    plain sampling uncompiled."""
+    skip_without_comfyui()
+    out = tmp_path / "compose_compiled.json"
+    completed = run_smoke([SCRIPT, "--smoke", "--compile", "--compile-backend", "eager", "--repeats", "1",
+                           "--region-shares", "0.3", "--region-resident-shares", "", "--device", "cpu",
+                           "--out", str(out), "--store-dir", str(tmp_path)], TIME_LIMIT_S)
+    report = json.loads(out.read_text())
+    cases = report["cases"]
+    assert set(cases) == {"plain (uncompiled)", "plain", "miss", "hit", "region hit 30%"}
+    compiled = report["compile"]
+    assert compiled["backend"] == "eager" and compiled["warm_up_compiles"] > 0 and compiled["warm_up_s"] > 0
+    assert compiled["compiles_in_cases"] == 0
+    assert cases["region hit 30%"]["region_only"]
+    assert cases["miss"]["rel_l2_vs_plain"] < 1e-4 and cases["plain (uncompiled)"]["rel_l2_vs_plain"] < 1e-4
+    assert cases["hit"]["model_calls"] < cases["plain"]["model_calls"]
+    assert "compiles inside the timed cases: 0" in completed.stdout

@@ -61,3 +61,33 @@ def test_a_trace_run_with_region_only_is_priced_per_method(tmp_path):
     for method in ("carnator_balanced", "carnator_region"):     # a hit's steps cost less than plain ones
         assert figures[method]["gpu_time_saved"] >= figures[method]["calls_saved"] - 0.02
     assert json.loads((tmp_path / "gpu_time.json").read_text())["costs"]["device"] == "test card"
+
+
+def test_seconds_per_request_for_plain_and_carnator_compiled_or_not(tmp_path):
+    """The net figure: one request's expected seconds over a trace run's decisions, plain and Carnator, each under
+    its own (compiled or uncompiled) costs of one card; runs of two cards are refused."""
+    trace, gpu_time = _script("trace"), _script("gpu_time")
+    out = tmp_path / "trace.json"
+    assert trace.main(["--requests", "6", "--pairs", "0", "--steps", "6", "--probe-steps", "2", "--fewer-steps", "4",
+                       "--text-resume-step", "3", "--habits", "fixed", "--methods", "carnator_balanced",
+                       "--out", str(out)]) == 0
+    plain, compiled = tmp_path / "plain.json", tmp_path / "compiled.json"
+    plain.write_text(json.dumps(_compose()))
+    faster = _compose()
+    for case in faster["cases"].values():            # compiled: every step 20 % faster
+        for key in ("seconds", "resume_s", "resume_and_write_s"):
+            if key in case:
+                case[key] *= 0.8
+    compiled.write_text(json.dumps(faster))
+    report = gpu_time.main(["--costs", str(plain), "--compiled-costs", str(compiled), "--trace", str(out),
+                            "--out", str(tmp_path / "gpu_time.json")])
+    seconds = report["seconds_per_request"]["fixed"]
+    assert seconds["plain"] == pytest.approx(0.6 * N, abs=1e-3)             # every request: N dense steps
+    assert seconds["plain compiled"] == pytest.approx(0.8 * seconds["plain"], abs=1e-3)
+    assert seconds["Carnator compiled"] == pytest.approx(0.8 * seconds["Carnator"], abs=1e-3)
+    assert seconds["Carnator"] <= seconds["plain"] * 1.01
+    faster["device"] = "another card"
+    compiled.write_text(json.dumps(faster))
+    with pytest.raises(SystemExit, match="give runs of one card"):
+        gpu_time.main(["--costs", str(plain), "--compiled-costs", str(compiled), "--trace", str(out),
+                       "--out", str(tmp_path / "gpu_time.json")])

@@ -40,7 +40,7 @@ import torch
 
 from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
 from ..kept_kv import TorchMemory
-from .compiled import CompileWatch, compile_settings, region_only_unfit, whole_model_refusal
+from .compiled import CompileWatch, compile_settings, eager_frame, region_only_unfit, whole_model_refusal
 from .conditioning import conditioning_fingerprint, start_image_fingerprint
 from .model_key import host_version, model_key
 from .refused import refusal
@@ -288,13 +288,6 @@ def _whole_schedule(executor, guider, sigmas, extra_args, *args, **kwargs):
     return executor(guider, sigmas, extra_args, *args, **kwargs)
 
 
-def _skipped_frame(function):
-    """`function` with its own frame never compiled by dynamo (its callees still are), decided once per code object:
-    torch.compiler.disable(recursive=False) would try to compile the frame again on every call."""
-    skip = getattr(getattr(torch._dynamo, "decorators", None), "skip", None)
-    return skip(function) if skip is not None else torch.compiler.disable(function, recursive=False)
-
-
 _UNCUT = ("img", "txt", "transformer_options")   # block arguments a region-only step never cuts to its tokens
 
 
@@ -307,7 +300,7 @@ class _BlockPatch:
     def __init__(self, index: int, inner, last: bool, joint_text: bool):
         self.index, self.inner, self.last, self.joint_text = index, inner, last, joint_text
 
-    @_skipped_frame
+    @eager_frame
     def __call__(self, args, extra):
         args, tokens = _enter_block(self, args)
         out = self.inner(args, extra) if self.inner is not None else extra["original_block"](args)

@@ -28,6 +28,14 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 _LIMIT_HIT = "Dynamo recompile limit exceeded"     # torch's counters["unimplemented"] entry when it gives up a frame
 
 
+def eager_frame(function):
+    """`function` with its own frame never compiled by dynamo, while what it calls still is (a compiled block):
+    decided once per code object, where torch.compiler.disable(recursive=False) would try to compile the frame again
+    on every call. For hooks whose state must stay out of traced code."""
+    skip = getattr(getattr(torch._dynamo, "decorators", None), "skip", None)
+    return skip(function) if skip is not None else torch.compiler.disable(function, recursive=False)
+
+
 def _compiled_patches(model) -> list:
     """Object patches of `model` that are torch.compile'd modules (KJNodes' blocks-only compile nodes)."""
     patches = getattr(model, "object_patches", None) or {}
@@ -166,4 +174,5 @@ def _frame_compile_index(compile_id: str) -> int:
     return int(match.group(2)) if match else 0
 
 
-__all__ = ["compile_settings", "compile_refusal", "whole_model_refusal", "region_only_unfit", "CompileWatch", "TORCH_COMPILE_KWARGS"]
+__all__ = ["eager_frame", "compile_settings", "compile_refusal", "whole_model_refusal", "region_only_unfit",
+           "CompileWatch", "TORCH_COMPILE_KWARGS"]

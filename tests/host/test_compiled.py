@@ -81,7 +81,7 @@ def region_hit(comfy, model, cache, positive, negative, latent, rows):
     assert decision.reuse, decision.reasons
     target = torch.zeros(tuple(latent["samples"].shape[-3:]), dtype=torch.bool)
     target[:, :rows] = True
-    decision = dataclasses.replace(decision, target_cells=target)
+    decision = dataclasses.replace(decision, target_cells=target, cell_map=None)   # the forced target alone
     result = pipeline.resume(runner, probed, decision, cache, config)
     cache.writer.settle()
     return {"samples": runner.to_latent_format(result.latent)}, result.summary()
@@ -150,8 +150,9 @@ def check(out, static_shapes=False):
     plain, compiled, eager = out["ksampler"], out["carnator"], out["carnator uncompiled"]
     names = list(plain)
     for name in names:
-        print(f"{name:36s} compiles (recompiles): KSampler {len(plain[name][2].ids):3d} ({plain[name][2].recompiles:3d})"
-              f"  Carnator {len(compiled[name][2].ids):3d} ({compiled[name][2].recompiles:3d})")
+        ours, theirs = compiled[name][2], plain[name][2]
+        print(f"{name:36s} compiles (recompiles): KSampler {len(theirs.ids):3d} ({theirs.recompiles:3d})"
+              f"  Carnator {len(ours.ids):3d} ({ours.recompiles:3d})")
     regions = [n for n in names if "region-only" in n]
     for name in names:
         latent, summary, compiles = compiled[name]
@@ -211,8 +212,8 @@ def _dynamo_settings():
     config.recompile_limit, config.force_parameter_static_shapes = kept
 
 
-def test_compile_options_carnator_cannot_honour_are_refused_naming_the_input(comfy, plugin, kjnodes, tiny_model,  # noqa: F811
-                                                                             conds, latent, tmp_path):
+def test_compile_options_carnator_cannot_honour_are_refused_naming_the_input(  # noqa: F811
+        comfy, plugin, kjnodes, tiny_model, conds, latent, tmp_path):
     """fullgraph (Carnator's hooks are graph breaks) and CUDA graphs (a replay reuses the memory of tensors Carnator
     keeps) are refused before any model call, as is the deprecated whole-model copy; nothing is stored."""
     from conftest import CallCounter
