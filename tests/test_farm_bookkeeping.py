@@ -480,6 +480,7 @@ def test_a_file_that_cannot_be_deleted_now_stays_listed_and_counted_until_it_can
 def _killed_in(url: str, blobs: str, work: str) -> None:
     """A worker killed (SIGKILL, as by the OOM killer) in the middle of `work`: "free" deletes a released file,
     "write" writes a blob."""
+    torch.set_num_threads(1)   # an OpenMP pool the parent started hangs a forked child that uses it
     store = CarnatorStore(url, 64 << 20, blob_dir=blobs)
     real_fsync, real_remove = os.fsync, os.remove
 

@@ -78,6 +78,8 @@ class ModelKey:
 # Where an option sits on the MODEL, as the walk names it, and the same in the words of the node that put it there.
 _PLACES = [(re.compile(r"^(wrapper|callback)s\['(\w+)'\]\['([^']*)'\](\[\d+\])?"),
             lambda m: f"another node's {m[1]} on the {m[2].replace('_', ' ')} ('{m[3]}')"),
+           (re.compile(r"^(wrapper|callback)s\['(\w+)'\]\[None\](\[\d+\])?"),     # registered without a key
+            lambda m: f"another node's {m[1]} ({m[2]})"),
            (re.compile(r"^object patches\['([^']*)'\]"), lambda m: f"the {m[1].replace('_', ' ')} patch"),
            (re.compile(r"^model_options\['transformer_options'\]\['([^']*)'\]"),
             lambda m: f"transformer option {m[1].replace('_', ' ')}"),
@@ -88,12 +90,22 @@ _PLACES = [(re.compile(r"^(wrapper|callback)s\['(\w+)'\]\['([^']*)'\](\[\d+\])?"
            (re.compile(r" \(nested too deep to read\)"), lambda m: " (settings nested too deep to read)")]
 
 
+def _object_for_people(value) -> str:
+    """An object whose settings cannot be read: a ComfyUI node (a class with INPUT_TYPES or a V3 schema) by the
+    name the creator sees in the graph, any other by its type for the node's author."""
+    kind = type(value)
+    if hasattr(kind, "INPUT_TYPES") or hasattr(kind, "define_schema"):
+        return f"set by the {kind.__name__} node"
+    made = f" made in {_origin(value)}" if "<locals>" in _qualname(value) else ""
+    return f"an object of type {kind.__name__}{made}"
+
+
 def _for_people(unknown: str) -> str:
     """An option Carnator cannot read, named as a creator knows it: "another node's wrapper on the diffusion model
     ('third_party')" for wrappers['diffusion_model']['third_party'][0] (closure opaque) (an object of type
     Opaque); a step cache's setting it cannot read keeps its name and value."""
     for pattern, words in _PLACES:
-        unknown = pattern.sub(words, unknown, count=1)
+        unknown = pattern.sub(words, unknown)
     return unknown
 
 
@@ -163,8 +175,7 @@ class _Walk:
             self._text(_qualname(value))   # LoRA, LoHa, LoKr adapters: their weights decide
             self._value(path, value.weights, depth + 1)
         else:
-            made = f" made in {_origin(value)}" if "<locals>" in _qualname(value) else ""
-            self.unknown.append(f"{path} (an object of type {type(value).__name__}{made})")
+            self.unknown.append(f"{path} ({_object_for_people(value)})")
 
     def _tensor(self, value: torch.Tensor) -> None:
         flat = value.detach().reshape(-1)
