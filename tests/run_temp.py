@@ -27,8 +27,14 @@ def pytest_configure(config):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(run, "torchinductor"))
 
 
+# inductor keeps its C++ headers in TMPDIR for the life of the process and remembers having made them: removed by a
+# test, a later compile in the same run fails ("precompiled header ... No such file"); the run folder takes them
+INDUCTOR_HEADERS = "torchinductor_"
+
+
 def pytest_sessionfinish(session, exitstatus):
-    _LEFT[:] = sorted(os.listdir(_RUN["temp"])) if _RUN else []
+    _LEFT[:] = sorted(name for name in os.listdir(_RUN["temp"]) if not name.startswith(INDUCTOR_HEADERS)) \
+        if _RUN else []
     if _LEFT and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
