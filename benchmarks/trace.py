@@ -12,7 +12,11 @@ Methods: no_reuse, text_similarity (NIRVANA-style: MiniLM cosine picks the entry
 (fewer steps: --fewer-steps), easycache (the EasyCache rule, benchmarks/quality.py), carnator_<risk> (the
 product's pipeline, refine on, at each risk level), carnator+steps_<N> and carnator+easycache (the default risk on top
 of the per-request method), carnator_subject_rule (the default with the gate's refuse_subject_change on),
-carnator_region (the default with region-only resume on; benchmarks/gpu_time.py prices its region steps).
+carnator_region (the default with region-only resume on; benchmarks/gpu_time.py prices its region steps); the
+cross-request caches a creator could pick instead (benchmarks/prior_caches.py): cacheseek (CacheSeek's rule: the
+nearest prompt at cosine >= --cacheseek-threshold skips the first 10 % of the steps), redi (ReDi's rule: the nearest
+trajectory after the probe steps within --redi-threshold resumes at a later step) and comfyui_cache (ComfyUI's
+execution cache: the previous request again, within one session, costs nothing).
 
     python benchmarks/trace.py --requests 50 --out /tmp/trace.json                      # quick CPU run
     python benchmarks/trace.py --device cuda --jobs 16 --out $OUT/trace.json             # 1,000 requests per habit
@@ -38,6 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import creator_trace  # noqa: E402
+import prior_caches  # noqa: E402
 import quality  # noqa: E402
 import reports  # noqa: E402
 from carnator_engine.demo import DEMO_STEPS, DEMO_WORLDS  # noqa: E402
@@ -50,13 +55,16 @@ DEFAULT_RISK = "balanced"
 LOOK_ALIKE = ("direction", "color", "shape")
 # evaluation world (quality.py --world) -> its TraceWorld; a world joins the trace by adding its adapter here
 TRACE_WORLDS = {"v1": creator_trace.demo_world, "v2": creator_trace.SceneWorld}
+# the sentence embeddings of every prompt of the committed runs (1,000 requests of seed 0, 48 look-alike pairs)
+TEXT_EMBEDDINGS = os.path.join(HERE, "results", "quality", "trace_text_embeddings.pt")
 
 
 def methods(fewer_steps: int) -> dict:
     """Trace method -> (quality.py method, risk level or None, gate settings over --gate's)."""
     steps = f"steps_{fewer_steps}"
     table = {"no_reuse": ("no_reuse", None, {}), "text_similarity": ("text_similarity", None, {}),
-             steps: (steps, None, {}), "easycache": ("easycache", None, {})}
+             steps: (steps, None, {}), "easycache": ("easycache", None, {}),
+             **{name: (name, None, {}) for name in ("cacheseek", "redi", "comfyui_cache")}}
     table.update({f"carnator_{risk}": ("carnator_refine", risk, {}) for risk in RISKS})
     table.update({f"carnator+{steps}": (f"carnator_refine+{steps}", DEFAULT_RISK, {}),
                   "carnator+easycache": ("carnator_refine+easycache", DEFAULT_RISK, {}),
@@ -85,7 +93,8 @@ def run_one(args, habit: str, name: str, reference: dict, chunk=None) -> dict:
     run_args.gate_overrides = {**args.gate_overrides, **gate}
     model = load_tiny_dit(args.weights, args.device)
     sigmas = flow_sigmas(args.steps)
-    encoder = quality.CachedSentenceEncoder(args.text_embedding_cache) if method == "text_similarity" else None
+    encoder = (quality.CachedSentenceEncoder(args.text_embedding_cache) if prior_caches.needs_text_encoder(method)
+               else None)
     trace, pairs = requests_of(args, habit)
     flat = [r for pair in pairs for r in pair]
     if chunk is not None:
@@ -161,11 +170,13 @@ def child_command(args, job: str, reference: str, rows_out: str) -> list:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", job, "--reference", reference,
             "--rows-out", rows_out]
     for option in ("world", "requests", "seed", "pairs", "steps", "probe_steps", "guidance", "fewer_steps",
-                   "step_cache_threshold", "step_cache_start", "text_threshold", "text_resume_step", "device",
-                   "weights", "max_density", "region_max_share"):
+                   "step_cache_threshold", "step_cache_start", "text_threshold", "text_resume_step",
+                   "cacheseek_threshold", "redi_threshold", "device", "weights", "max_density", "region_max_share"):
         argv += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     if args.text_embedding_cache:
         argv += ["--text-embedding-cache", args.text_embedding_cache]
+    if args.redi_resume_step:
+        argv += ["--redi-resume-step", str(args.redi_resume_step)]
     if args.gate_overrides:
         argv += ["--gate", ",".join(f"{k}={v}" for k, v in args.gate_overrides.items())]
     return argv
@@ -184,8 +195,9 @@ def run_child(args, job: str, reference: str, out: str) -> None:
 
 # the settings a work folder's rows depend on: a folder kept with --work-dir serves only runs with the same ones
 RUN_SETTINGS = ("world", "requests", "seed", "pairs", "steps", "probe_steps", "guidance", "fewer_steps",
-                "step_cache_threshold", "step_cache_start", "text_threshold", "text_resume_step", "max_density",
-                "region_max_share", "gate_overrides", "weights", "device")
+                "step_cache_threshold", "step_cache_start", "text_threshold", "text_resume_step",
+                "cacheseek_threshold", "redi_threshold", "redi_resume_step", "max_density", "region_max_share",
+                "gate_overrides", "weights", "device")
 
 
 def work_folder(args) -> str:
@@ -360,11 +372,11 @@ def main(argv=None) -> int:
     parser.add_argument("--fewer-steps", type=int, default=14, help="the fewer-steps method's step count")
     parser.add_argument("--step-cache-threshold", type=float, default=0.05, help="the EasyCache rule's threshold")
     parser.add_argument("--step-cache-start", type=float, default=0.15)
-    parser.add_argument("--text-threshold", type=float, default=0.90)
-    parser.add_argument("--text-resume-step", type=int, default=10)
-    parser.add_argument("--text-embedding-cache", help="file of the text baseline's prompt embeddings (quality.py); "
-                        "the trace's are committed, benchmarks/results/quality/trace_text_embeddings.pt, for a "
-                        "machine that cannot download the sentence encoder")
+    prior_caches.add_arguments(parser)
+    parser.add_argument("--text-embedding-cache", default=TEXT_EMBEDDINGS,
+                        help="file of the prompt embeddings of text_similarity and cacheseek (quality.py); default: "
+                        "the trace's, committed for a machine without the sentence encoder (a prompt it lacks is "
+                        "encoded and added, where the encoder is installed)")
     parser.add_argument("--max-density", type=float, default=1.0)
     parser.add_argument("--region-max-share", type=float, default=quality.CarnatorConfig.region_max_share,
                         help="largest target share resumed region-only (the region methods)")
@@ -396,12 +408,12 @@ def main(argv=None) -> int:
     if not 1 <= args.fewer_steps < args.steps or not 1 <= args.probe_steps < args.steps:
         parser.error(f"--fewer-steps ({args.fewer_steps}) and --probe-steps ({args.probe_steps}) must be between 1 and "
                      f"--steps - 1 ({args.steps - 1})")
-    if not 1 <= args.text_resume_step < args.steps:
-        parser.error(f"--text-resume-step ({args.text_resume_step}) must be between 1 and --steps - 1 ({args.steps - 1})")
     known = methods(args.fewer_steps)
     names = ["no_reuse", *[n for n in (args.methods.split(",") if args.methods else known) if n != "no_reuse"]]
     if unknown := [n for n in names if n not in known]:
         parser.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    # a worker runs one method: only its settings are checked (the parent checked the run's)
+    prior_caches.check_arguments(args, args.worker.split(":")[1:2] if args.worker else names, parser.error)
     if args.worker:
         return worker(args)
 

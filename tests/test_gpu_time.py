@@ -91,3 +91,26 @@ def test_seconds_per_request_for_plain_and_carnator_compiled_or_not(tmp_path):
     with pytest.raises(SystemExit, match="give runs of one card"):
         gpu_time.main(["--costs", str(plain), "--compiled-costs", str(compiled), "--trace", str(out),
                        "--out", str(tmp_path / "gpu_time.json")])
+
+
+def test_the_other_tools_caches_run_on_the_trace_and_their_steps_are_priced_dense(tmp_path):
+    """cacheseek, redi and comfyui_cache on a few trace requests: a CacheSeek hit skips its first steps, a ReDi hit
+    its middle ones, a ComfyUI hit is an exact repeat with no call; every step they compute is a dense step."""
+    trace, gpu_time, reports = _script("trace"), _script("gpu_time"), _script("reports")
+    out = tmp_path / "trace.json"
+    assert trace.main(["--requests", "8", "--pairs", "1", "--steps", "10", "--probe-steps", "2", "--fewer-steps", "4",
+                       "--habits", "fixed",
+                       "--methods", "cacheseek,redi,comfyui_cache", "--out", str(out)]) == 0
+    rows = reports.read(str(out))["rows"]["fixed"]
+    for method, hit_calls in (("cacheseek", {9}), ("redi", {2 + 10 - 7}), ("comfyui_cache", {0})):
+        found = rows[method]["trace"] + rows[method]["pairs"]
+        assert any(r["reused"] for r in found), method
+        assert {r["model_calls"] for r in found if r["reused"]} <= hit_calls
+        assert {r["model_calls"] for r in found if not r["reused"]} == {10}
+    assert all(r["exact_repeat"] for r in rows["comfyui_cache"]["trace"] if r["reused"])
+    costs = tmp_path / "compose.json"
+    costs.write_text(json.dumps(_compose()))
+    figures = gpu_time.main(["--costs", str(costs), "--trace", str(out), "--out", str(tmp_path / "g.json")])["habits"]
+    for method in ("cacheseek", "redi", "comfyui_cache"):
+        assert figures["fixed"][method]["gpu_time_saved"] == pytest.approx(figures["fixed"][method]["calls_saved"],
+                                                                           abs=1e-4)
