@@ -126,9 +126,9 @@ class ReDiCache:
     Retrieval"): run the first `key_step` steps, find the stored trajectory whose latent after those steps (its key)
     is nearest in L2 distance, and continue from that trajectory's latent entering `resume_step` (its value), scaled
     by the least-squares weight of the key against the query (their released code with one neighbour). ReDi always
-    resumes from its precomputed knowledge base; a growing cache needs a limit, so it resumes only when the relative
-    distance ||query - key|| / ||query|| is at most `threshold`. No signature, region or other gate. A miss
-    continues its own trajectory and becomes an entry."""
+    resumes from its precomputed knowledge base (of one seed, in their released code); a growing cache needs a
+    limit, so it resumes only when the relative distance ||query - key|| / ||query|| is at most `threshold`. No
+    signature, region or other gate. A miss continues its own trajectory and becomes an entry."""
 
     def __init__(self, key_step: int, resume_step: int, threshold: float):
         if not 0 < key_step < resume_step:
@@ -136,26 +136,32 @@ class ReDiCache:
         if not threshold >= 0:
             raise ValueError(f"ReDi's distance threshold must be >= 0, got {threshold}")
         self.key_step, self.resume_step, self.threshold = key_step, resume_step, threshold
-        self.entries = []  # (key: latent after key_step steps, value: latent entering resume_step)
+        self.keys = None    # [entries, ...]: each entry's latent after key_step steps
+        self.values = []    # each entry's latent entering resume_step
 
     def nearest(self, query: torch.Tensor) -> tuple:
-        """(entry, its relative L2 distance to `query`) of the nearest key, (None, inf) when there is none."""
-        norm = float(query.float().norm()) or 1.0
-        scored = [(entry, float((query.float() - entry[0].to(query.device)).norm()) / norm) for entry in self.entries]
-        return min(scored, key=lambda pair: pair[1], default=(None, math.inf))
+        """(index, relative L2 distance to `query`) of the nearest key, (None, inf) when there is none."""
+        if self.keys is None:
+            return None, math.inf
+        distances = (self.keys - query.float()).flatten(1).norm(dim=1) / query.float().norm().clamp_min(1e-12)
+        index = int(distances.argmin())
+        return index, float(distances[index])
 
     def generate(self, runner, noise, sigmas, request) -> Served:
         steps = len(sigmas) - 1
         observer = GenerationObserver(checkpoints=CheckpointRecorder(frozenset({self.resume_step})))
         query = runner.run(noise * float(sigmas[0]), sigmas, 0, self.key_step, observer)
-        best, distance = self.nearest(query)
-        if best is not None and distance <= self.threshold:
-            key = best[0].to(query.device).float()
+        index, distance = self.nearest(query)
+        if index is not None and distance <= self.threshold:
+            key = self.keys[index]
             weight = float((key * query.float()).sum() / (key * key).sum().clamp_min(1e-12))
-            latent, calls = _resume(runner, weight * best[1].to(query.device).float(), sigmas, self.resume_step)
+            value = self.values[index].to(query.device).float()
+            latent, calls = _resume(runner, weight * value, sigmas, self.resume_step)
             return Served(latent, True, observer.forwards + calls, self.resume_step)
         latent = runner.run(query, sigmas, self.key_step, steps, observer)
-        self.entries.append((query.detach().float(), observer.checkpoints.latents[self.resume_step]))
+        key = query.detach().float()[None]
+        self.keys = key if self.keys is None else torch.cat([self.keys, key])
+        self.values.append(observer.checkpoints.latents[self.resume_step])
         return Served(latent, False, observer.forwards, 0)
 
 

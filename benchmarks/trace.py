@@ -59,19 +59,21 @@ TRACE_WORLDS = {"v1": creator_trace.demo_world, "v2": creator_trace.SceneWorld}
 TEXT_EMBEDDINGS = os.path.join(HERE, "results", "quality", "trace_text_embeddings.pt")
 
 
-def methods(fewer_steps: int) -> dict:
-    """Trace method -> (quality.py method, risk level or None, gate settings over --gate's)."""
+def methods(fewer_steps: int, cacheseek_sweep=()) -> dict:
+    """Trace method -> (quality.py method, risk level or None, gate settings over --gate's, run settings over the
+    command line's). cacheseek_<T>: CacheSeek's rule at threshold T, one per value of --cacheseek-sweep."""
     steps = f"steps_{fewer_steps}"
-    table = {"no_reuse": ("no_reuse", None, {}), "text_similarity": ("text_similarity", None, {}),
-             steps: (steps, None, {}), "easycache": ("easycache", None, {}),
-             **{name: (name, None, {}) for name in ("cacheseek", "redi", "comfyui_cache")}}
-    table.update({f"carnator_{risk}": ("carnator_refine", risk, {}) for risk in RISKS})
-    table.update({f"carnator+{steps}": (f"carnator_refine+{steps}", DEFAULT_RISK, {}),
-                  "carnator+easycache": ("carnator_refine+easycache", DEFAULT_RISK, {}),
+    table = {"no_reuse": ("no_reuse", None, {}, {}), "text_similarity": ("text_similarity", None, {}, {}),
+             steps: (steps, None, {}, {}), "easycache": ("easycache", None, {}, {}),
+             **{name: (name, None, {}, {}) for name in ("cacheseek", "redi", "comfyui_cache")},
+             **{f"cacheseek_{t:g}": ("cacheseek", None, {}, {"cacheseek_threshold": t}) for t in cacheseek_sweep}}
+    table.update({f"carnator_{risk}": ("carnator_refine", risk, {}, {}) for risk in RISKS})
+    table.update({f"carnator+{steps}": (f"carnator_refine+{steps}", DEFAULT_RISK, {}, {}),
+                  "carnator+easycache": ("carnator_refine+easycache", DEFAULT_RISK, {}, {}),
                   # the default with the gate's subject rule on (off by default until measured)
-                  "carnator_subject_rule": ("carnator_refine", DEFAULT_RISK, {"refuse_subject_change": True}),
+                  "carnator_subject_rule": ("carnator_refine", DEFAULT_RISK, {"refuse_subject_change": True}, {}),
                   # the default with region-only resume on (off by default until measured; gpu_time.py prices it)
-                  "carnator_region": ("carnator_region", DEFAULT_RISK, {})})
+                  "carnator_region": ("carnator_region", DEFAULT_RISK, {}, {})})
     return table
 
 
@@ -87,8 +89,9 @@ def run_one(args, habit: str, name: str, reference: dict, chunk=None) -> dict:
     chunk (i, n): no_reuse on every n-th request from the i-th only (it keeps no cache, so its requests split)."""
     from carnator_engine.backbones.tiny_dit import load_tiny_dit
     from carnator_engine.schedule import flow_sigmas
-    method, risk, gate = methods(args.fewer_steps)[name]
+    method, risk, gate, settings = methods(args.fewer_steps, args.cacheseek_sweep)[name]
     run_args = copy.copy(args)
+    vars(run_args).update(settings)
     run_args.risk = risk or DEFAULT_RISK
     run_args.gate_overrides = {**args.gate_overrides, **gate}
     model = load_tiny_dit(args.weights, args.device)
@@ -173,6 +176,8 @@ def child_command(args, job: str, reference: str, rows_out: str) -> list:
                    "step_cache_threshold", "step_cache_start", "text_threshold", "text_resume_step",
                    "cacheseek_threshold", "redi_threshold", "device", "weights", "max_density", "region_max_share"):
         argv += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+    if args.cacheseek_sweep:
+        argv += ["--cacheseek-sweep", ",".join(map(str, args.cacheseek_sweep))]
     if args.text_embedding_cache:
         argv += ["--text-embedding-cache", args.text_embedding_cache]
     if args.redi_resume_step:
@@ -373,6 +378,9 @@ def main(argv=None) -> int:
     parser.add_argument("--step-cache-threshold", type=float, default=0.05, help="the EasyCache rule's threshold")
     parser.add_argument("--step-cache-start", type=float, default=0.15)
     prior_caches.add_arguments(parser)
+    parser.add_argument("--cacheseek-sweep", type=lambda text: [float(t) for t in text.split(",")], default=[],
+                        help="more CacheSeek thresholds, comma-separated: each adds the method cacheseek_<T> "
+                        "(e.g. 0.95,0.99,0.999: the trace's prompts of one edit score 0.80-0.99)")
     parser.add_argument("--text-embedding-cache", default=TEXT_EMBEDDINGS,
                         help="file of the prompt embeddings of text_similarity and cacheseek (quality.py); default: "
                         "the trace's, committed for a machine without the sentence encoder (a prompt it lacks is "
@@ -408,7 +416,7 @@ def main(argv=None) -> int:
     if not 1 <= args.fewer_steps < args.steps or not 1 <= args.probe_steps < args.steps:
         parser.error(f"--fewer-steps ({args.fewer_steps}) and --probe-steps ({args.probe_steps}) must be between 1 and "
                      f"--steps - 1 ({args.steps - 1})")
-    known = methods(args.fewer_steps)
+    known = methods(args.fewer_steps, args.cacheseek_sweep)
     names = ["no_reuse", *[n for n in (args.methods.split(",") if args.methods else known) if n != "no_reuse"]]
     if unknown := [n for n in names if n not in known]:
         parser.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(known)}")

@@ -100,8 +100,10 @@ def test_the_other_tools_caches_run_on_the_trace_and_their_steps_are_priced_dens
     out = tmp_path / "trace.json"
     assert trace.main(["--requests", "8", "--pairs", "1", "--steps", "10", "--probe-steps", "2", "--fewer-steps", "4",
                        "--habits", "fixed",
-                       "--methods", "cacheseek,redi,comfyui_cache", "--out", str(out)]) == 0
+                       "--methods", "cacheseek,redi,comfyui_cache,cacheseek_1.01", "--cacheseek-sweep", "1.01",
+                       "--out", str(out)]) == 0
     rows = reports.read(str(out))["rows"]["fixed"]
+    assert not any(r["reused"] for r in rows["cacheseek_1.01"]["trace"])     # a threshold no cosine reaches
     for method, hit_calls in (("cacheseek", {9}), ("redi", {2 + 10 - 7}), ("comfyui_cache", {0})):
         found = rows[method]["trace"] + rows[method]["pairs"]
         assert any(r["reused"] for r in found), method

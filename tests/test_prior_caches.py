@@ -101,7 +101,7 @@ def test_redi_resumes_from_the_nearest_trajectory_only_within_its_distance_thres
     far = cache.generate(ToyRunner(0.1), -donor_noise, SIGMAS, _request("b", seed=1))
     assert (far.reused, far.calls) == (False, N)
     torch.testing.assert_close(far.latent, _plain(-donor_noise, 0.1))
-    assert len(cache.entries) == 2
+    assert len(cache.values) == 2
     with pytest.raises(ValueError):
         caches.ReDiCache(key_step=5, resume_step=5, threshold=0.5)
 
