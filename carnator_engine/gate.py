@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -334,6 +334,13 @@ def decide(candidates: list, steps: int, probe_steps: int, policy: GatePolicy, r
     entry_id, numbers, reasons = (rejected or skipped)[0]
     return Decision(False, risk, steps, probe_steps, probe_steps, numbers=numbers,
                     reasons=[f"nearest entry {entry_id} rejected"] + reasons)
+
+
+class RegionFallback(NamedTuple):
+    """Why a hit resumes the whole clip instead of region-only: `note` in a creator's words (the node's "whole clip:
+    ..." line), `reason` with its figures (the decision's reasons)."""
+    note: str
+    reason: str
 
 
 def region_only_verdict(share: float, max_share: float, decision: Decision, full_steps: int,

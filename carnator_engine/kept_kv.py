@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .gate import RegionFallback
+
 GIB = 1 << 30
 RESERVE = 256 << 20      # device bytes the plan never counts on: the allocator's rounding, a kernel's workspace
 
@@ -59,7 +61,7 @@ class TorchMemory:
 
 
 def placement(order: list, sizes: dict, reading: MemoryReading, share: float, margin: float) -> tuple:
-    """(keys resident on the device, "") or (None, why not even streaming fits).
+    """(keys resident on the device, None) or (None, why not even streaming fits).
 
     The region steps may take the device up to what this process already needed (its high-water mark, a full step's
     peak) plus `margin` of it, and never beyond what the host reports free. Out of that come the region step's own
@@ -71,18 +73,20 @@ def placement(order: list, sizes: dict, reading: MemoryReading, share: float, ma
     activations = share * max(0, reading.high_water - reading.in_use)
     room = ceiling - reading.in_use - activations - largest      # the attention's own copy of one block's keys
     if total <= room:
-        return set(order), ""
+        return set(order), None
     stream = 2 * largest
     if stream > room:
-        return None, (f"not enough GPU memory for region-only resume: streaming the kept keys and values needs "
-                      f"{(stream + largest) / GIB:.2f} GiB beside the model, {max(0.0, room + largest) / GIB:.2f} GiB "
-                      "is left within the memory this request already used; whole-clip resume")
+        return None, RegionFallback(
+            "not enough GPU memory for region-only resume",
+            f"not enough GPU memory for region-only resume: streaming the kept keys and values needs "
+            f"{(stream + largest) / GIB:.2f} GiB beside the model, {max(0.0, room + largest) / GIB:.2f} GiB is left "
+            "within the memory this request already used; whole-clip resume")
     resident, used = set(), stream
     for key in order:
         if used + sizes[key] <= room:
             resident.add(key)
             used += sizes[key]
-    return resident, ""
+    return resident, None
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> Optional[object]:
@@ -140,17 +144,18 @@ class KeptKeysValues:
 
     # ---- the full step ----
 
-    def capture(self, key, k: torch.Tensor, v: torch.Tensor) -> str:
-        """Keeps (k, v) of `key`; "" or why it cannot (the host's memory): then nothing is kept."""
+    def capture(self, key, k: torch.Tensor, v: torch.Tensor) -> Optional[RegionFallback]:
+        """Keeps (k, v) of `key`; None or why it cannot (the host's memory): then nothing is kept."""
         self.device = k.device
         need = 2 * k.numel() * k.element_size()
         available = self.memory.host_available()
         if need + GIB > available:
-            return (f"not enough host memory to keep the other tokens' keys and values ({need / GIB:.2f} GiB "
-                    f"more needed, {available / GIB:.2f} GiB available); whole-clip resume")
+            return RegionFallback("not enough host memory to keep the other tokens' keys and values",
+                                  f"not enough host memory to keep the other tokens' keys and values ({need / GIB:.2f} "
+                                  f"GiB more needed, {available / GIB:.2f} GiB available); whole-clip resume")
         if k.device.type != "cuda":
             self._keep(key, (k.detach().clone(), v.detach().clone()))
-            return ""
+            return None
         held = tuple(torch.empty(k.shape, dtype=k.dtype, pin_memory=True) for _ in range(2))
         if self._stream is None:
             self._stream = torch.cuda.Stream(k.device)
@@ -158,7 +163,7 @@ class KeptKeysValues:
         while len(self._pending) > 4:       # at most two blocks' copies in flight: their sources stay allocated
             self._pending.pop(0).synchronize()
         self._keep(key, held)
-        return ""
+        return None
 
     def _keep(self, key, held: tuple) -> None:
         if key not in self._held:
@@ -167,8 +172,8 @@ class KeptKeysValues:
 
     # ---- the region steps ----
 
-    def plan(self, share: float) -> str:
-        """Places every kept block, resident or streamed; "" or why region-only cannot run in this memory."""
+    def plan(self, share: float) -> Optional[RegionFallback]:
+        """Places every kept block, resident or streamed; None or why region-only cannot run in this memory."""
         for event in self._pending:
             event.synchronize()
         self._pending.clear()
@@ -176,7 +181,7 @@ class KeptKeysValues:
         reading = self.memory.read(self.device) if self.device is not None else None
         sizes = {key: sum(t.numel() * t.element_size() for t in held) for key, held in self._held.items()}
         if reading is None or not sizes:
-            resident, why = set(sizes), ""
+            resident, why = set(sizes), None
         else:
             resident, why = placement(self._order, sizes, reading, share, self.margin)
         if why:
@@ -191,7 +196,7 @@ class KeptKeysValues:
                       for i, key in enumerate(self._order)}
         self.placed = {"resident": sum(sizes[key] for key in resident),
                        "streamed": sum(sizes[key] for key in streamed)}
-        return ""
+        return None
 
     def fetch(self, key):
         """(keys, values) of `key` on the device, ready for this step's rows to be written in; None if not kept."""

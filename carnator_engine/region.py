@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .gate import RegionFallback
 from .kept_kv import KeptKeysValues
 
 
@@ -65,7 +66,7 @@ class RegionTokens:
         self.tokens_through_blocks = 0   # rows the first block received over the run (tests, benchmarks)
         self.region_steps_run = 0   # steps that ran the target tokens only
         self.missing = ""           # why a region step ran without the others' keys and values ("" if never)
-        self.fallback = ""          # why the region steps stopped and the rest ran whole-clip ("" if they did not)
+        self.fallback: Optional[RegionFallback] = None   # why the region steps stopped and the rest ran whole-clip
         self._gathered: dict = {}
         self._indices: dict = {}
 
@@ -88,7 +89,7 @@ class RegionTokens:
                 self.stop(why)
         self.region_steps_run += int(self.active)
 
-    def stop(self, why: str) -> None:
+    def stop(self, why: RegionFallback) -> None:
         """No more region steps: the rest of the run goes through every token (its keys and values are freed)."""
         self.fallback = self.fallback or why
         self.keys_values.release()

@@ -15,7 +15,6 @@ or a region step out of memory) resumes whole-clip; each with its reason.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -81,9 +80,9 @@ def finish(runner, probed, decision: gate_module.Decision, payload, config, chec
     if region is not None and region.missing:
         warnings.append(f"region-only resume: {region.missing}")
     if region is not None and region.fallback:
-        decision = _with_reason(decision, region.fallback, {"region_only": False,
-                                                            "region_steps": region.region_steps_run})
-        decision = dataclasses.replace(decision, region="whole clip: " + re.split(r" \(|: |; ", region.fallback)[0])
+        decision = _with_reason(decision, region.fallback.reason, {"region_only": False,
+                                                                   "region_steps": region.region_steps_run})
+        decision = dataclasses.replace(decision, region="whole clip: " + region.fallback.note)
     elif region is not None:     # where the kept keys and values were: bytes resident on the device and streamed
         placed = region.keys_values.placed
         decision = dataclasses.replace(decision, numbers={**decision.numbers, "region_resident_bytes": placed["resident"],
@@ -104,11 +103,11 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
         decision = dataclasses.replace(_with_reason(decision, reason, {}),
                                        region="whole clip: the cached generation has no usable final latent")
         return decision, None, reason
-    unfit = getattr(runner, "region_only_unfit", "")     # the runner's model cannot run it (a static-shape compile)
+    unfit = getattr(runner, "region_only_unfit", None)     # the runner's model cannot run it (a static-shape compile)
     if unfit:
-        reason = f"region-only resume not possible: {unfit}; whole-clip resume"
+        reason = f"region-only resume not possible: {unfit.reason}; whole-clip resume"
         decision = dataclasses.replace(_with_reason(decision, reason, {"region_only": False}),
-                                       region="whole clip: " + unfit.split(" (")[0])
+                                       region="whole clip: " + unfit.note)
         return decision, None, reason
     # the gate's target cells and the cells holding most of the difference, joined over the latent (the two may
     # come on different grids: a benchmark forces a target over the latent itself)
@@ -183,8 +182,9 @@ def region_only_steps(runner, x: torch.Tensor, sigmas: torch.Tensor, k: int, pay
         own = runner.run(x, sigmas, k, end, observer)
     except torch.OutOfMemoryError as error:     # never a failed request: the whole clip from step k instead
         own = None
-        region.stop(f"region-only resume ran out of GPU memory ({str(error).splitlines()[0][:120]}); whole-clip "
-                    f"resume from step {k}")
+        region.stop(gate_module.RegionFallback("region-only resume ran out of GPU memory",
+                                   f"region-only resume ran out of GPU memory ({str(error).splitlines()[0][:120]}); "
+                                   f"whole-clip resume from step {k}"))
     finally:
         observer.region, observer.checkpoints = None, checkpoints
         region.keys_values.release()     # the last full steps run without them

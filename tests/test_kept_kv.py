@@ -8,6 +8,7 @@ import torch
 
 from carnator_engine import kept_kv
 from carnator_engine import resume as resume_stage
+from carnator_engine.hosts.compiled import region_only_unfit
 from carnator_engine.kept_kv import GIB, RESERVE, KeptKeysValues, MemoryReading, placement
 from carnator_engine.observer import GenerationObserver
 from carnator_engine.pipeline import CarnatorConfig, resume
@@ -46,15 +47,16 @@ def test_blocks_are_resident_while_they_fit_under_the_high_water_mark_and_stream
     resident, why = placement(order, sizes, tight, share=0.0, margin=1.0)
     assert not why and resident == set()                     # room for the two stream buffers only
     none, why = placement(order, sizes, dataclasses.replace(reading, free=RESERVE + 250 * MIB), share=0.0, margin=1.0)
-    assert none is None and why.startswith("not enough GPU memory for region-only resume") \
-        and why.endswith("whole-clip resume")
+    assert none is None and why.note == "not enough GPU memory for region-only resume" \
+        and why.reason.startswith(why.note + ": streaming the kept keys and values needs") \
+        and why.reason.endswith("whole-clip resume")
 
 
 def test_off_cuda_the_kept_keys_stay_where_they_are():
     store = KeptKeysValues(FakeMemory(reading=None))
     k = torch.randn(1, 2, 6, 4)
-    assert store.capture((0, 0), k, k + 1) == ""
-    assert store.plan(0.5) == "" and store.placed == {"resident": 2 * k.numel() * 4, "streamed": 0}
+    assert store.capture((0, 0), k, k + 1) is None
+    assert store.plan(0.5) is None and store.placed == {"resident": 2 * k.numel() * 4, "streamed": 0}
     keys, values = store.fetch((0, 0))
     assert torch.equal(keys, k) and torch.equal(values, k + 1)
     assert store.fetch((1, 0)) is None
@@ -188,10 +190,23 @@ def test_on_cuda_streamed_blocks_from_pinned_memory_match_resident_ones():
             # room for the attention's copy, the two stream buffers and one resident block: the other five stream
             store.memory.reading = MemoryReading(in_use=0, high_water=4 * block_bytes, free=100 * GIB)
         for block, k in enumerate(captured):
-            assert store.capture((block, 0), k, k * 2) == ""
-        assert store.plan(0.0) == ""
+            assert store.capture((block, 0), k, k * 2) is None
+        assert store.plan(0.0) is None
         assert (store.placed["streamed"] > 0) == streamed
         results.append(torch.stack([attend(store, step) for step in range(3)]))
         store.release()
     torch.cuda.synchronize()
     assert torch.equal(results[0], results[1])
+
+
+def test_a_model_compiled_with_static_shapes_resumes_whole_clip_in_a_short_note_with_the_fix_in_the_reasons(
+        tiny_model, store):
+    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    runner.region_only_unfit = region_only_unfit({"dynamic": False})
+    result = resume(runner, probed, decision, store, config, PROMPT, 2)
+    d = result.decision
+    assert d.reuse and d.numbers["region_only"] is False
+    assert d.region == "whole clip: the model is compiled with static shapes"
+    assert d.reasons[-1].startswith("region-only resume not possible: the model is compiled with static shapes (")
+    assert "set dynamic to true on the compile node" in d.reasons[-1]
+    assert region_only_unfit({"dynamic": True}) is None and region_only_unfit(None) is None

@@ -520,7 +520,7 @@ class ComfyRunner:
         settings = [compile_settings(m) for m in (model, low_noise_model) if m is not None]
         self.compile_watch = CompileWatch() if any(s is not None for s in settings) else None
         # why a hit resumes whole-clip rather than region-only on this model ("" when it may): resume.plan_region
-        self.region_only_unfit = next(filter(None, map(region_only_unfit, settings)), "")
+        self.region_only_unfit = next(filter(None, map(region_only_unfit, settings)), None)
         self.low_noise_model, self.switch_step = None, None
         if low_noise_model is not None:
             self._add_low_noise_expert(low_noise_model, sampler_name, scheduler, steps, switch_step, boundary_sigma)

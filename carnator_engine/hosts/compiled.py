@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from ..gate import RegionFallback
+
 TORCH_COMPILE_KWARGS = "torch_compile_kwargs"      # comfy_api.torch_helpers' mark of a compiled MODEL
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 _LIMIT_HIT = "Dynamo recompile limit exceeded"     # torch's counters["unimplemented"] entry when it gives up a frame
@@ -79,15 +81,17 @@ def compile_refusal(model) -> str:
     return ""
 
 
-def region_only_unfit(settings: Optional[dict]) -> str:
+def region_only_unfit(settings: Optional[dict]) -> Optional[RegionFallback]:
     """Why a model compiled with `settings` resumes a hit whole-clip rather than region-only ("" when it can): with
     static shapes (dynamic=False, KJNodes' default) every target size would compile the blocks' graphs again, up to
     torch's recompile limit. With dynamic shapes (dynamic=True, or ComfyUI's TorchCompileModel, which leaves it to
     torch) the first region-only hit compiles them once for any size."""
     if settings is None or settings.get("dynamic") is not False:
-        return ""
-    return ("the model is compiled with static shapes (dynamic false on the compile node), which would compile it "
-            "again for every target size; set dynamic to true on the compile node for region-only hits")
+        return None
+    return RegionFallback("the model is compiled with static shapes",
+                          "the model is compiled with static shapes (dynamic false on the compile node), which would "
+                          "compile it again for every target size; set dynamic to true on the compile node for "
+                          "region-only hits")
 
 
 def _limit_hits() -> int:
