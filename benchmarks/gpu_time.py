@@ -28,7 +28,6 @@ compiled, Carnator (its default, carnator_balanced) and Carnator compiled, each 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import sys
@@ -41,7 +40,7 @@ import reports  # noqa: E402
 RESULTS = os.path.join(HERE, "results")
 DEFAULT_COSTS = os.path.join(RESULTS, "gpu", "gpu_compose_h100.json")
 DEFAULT_TRACES = [os.path.join(RESULTS, "quality", f"trace_1000_{name}.json")
-                  for name in ("randomize", "fixed", "randomize_safe", "randomize_aggressive")]
+                  for name in ("randomize", "fixed", "randomize_alternatives")]
 
 
 def step_costs(compose: dict) -> dict:
@@ -142,13 +141,11 @@ def main(argv=None):
         setups = {"plain": costs, "plain compiled": compiled, "Carnator": costs, "Carnator compiled": compiled}
         report["compiled_costs"] = {**compiled, "source": os.path.relpath(args.compiled_costs, os.path.dirname(HERE))}
     for path in args.trace or DEFAULT_TRACES:
-        with open(path) as handle:
-            trace = json.load(handle)
-        with gzip.open(os.path.join(os.path.dirname(path), trace["rows_file"]), "rt") as handle:
-            rows = json.load(handle)
-        for habit, methods in trace_gpu_time(trace, rows, costs).items():
-            report["habits"].setdefault(habit, {}).update(methods)
-        report["seconds_per_request"].update(seconds_per_request(trace, rows, setups))
+        for trace in reports.read_all(path).values():      # a trace run, or a pack of them
+            rows = trace.pop("rows")
+            for habit, methods in trace_gpu_time(trace, rows, costs).items():
+                report["habits"].setdefault(habit, {}).update(methods)
+            report["seconds_per_request"].update(seconds_per_request(trace, rows, setups))
         report.setdefault("traces", []).append(os.path.relpath(path, os.path.dirname(HERE)))
     reports.write(args.out, report)
     print(f"GPU time per step ({costs['device']}): plain {costs['dense_s'] * 1e3:.0f} ms; a miss's step "

@@ -61,6 +61,11 @@ def test_a_trace_run_with_region_only_is_priced_per_method(tmp_path):
     for method in ("carnator_balanced", "carnator_region"):     # a hit's steps cost less than plain ones
         assert figures[method]["gpu_time_saved"] >= figures[method]["calls_saved"] - 0.02
     assert json.loads((tmp_path / "gpu_time.json").read_text())["costs"]["device"] == "test card"
+    # the same run packed with others (benchmarks/reports.py pack) is priced the same
+    packed = tmp_path / "pack.json"
+    _script("reports").pack(str(packed), [str(out)])
+    again = gpu_time.main(["--costs", str(costs), "--trace", str(packed), "--out", str(tmp_path / "again.json")])
+    assert again["habits"] == report["habits"]
 
 
 def test_seconds_per_request_for_plain_and_carnator_compiled_or_not(tmp_path):
