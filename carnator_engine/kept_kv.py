@@ -1,8 +1,8 @@
 """Where a region-only resume keeps the other tokens' keys and values, within the GPU memory the host has.
 
 A full step captures, per transformer block and forward, the keys and values of the whole clip ([B, heads, L(+T), D],
-tokens in their own order); each region step writes its target rows (and a joint model's text rows) into them and
-attends. Kept on the GPU for every block they would add 2 x tokens x model width values per block (about 6 GB for
+tokens in their own order; with region_sparse_keys only the rows the target reaches, so blocks differ in size); each
+region step writes its target rows (and a joint model's text rows) into them and attends. Kept on the GPU for every block they would add 2 x tokens x model width values per block (about 6 GB for
 Wan 2.1 1.3B at 480p x 81, more than doubling its peak), so on a GPU they are captured into pinned host memory, and at
 the first region step `plan` decides, from the memory the host reports, which blocks go back to the GPU for the whole
 run (resident) and which are streamed: copied into one of two GPU buffers on a side CUDA stream while the block
@@ -119,7 +119,10 @@ class KeptKeysValues:
         self._next: dict = {}        # key -> the streamed key fetched after it (prefetched while it computes)
         self._pending: list = []     # capture copies not yet waited for
         self._stream = None
-        self._buffers = [None, None]  # the stream buffers: (keys, values) on the device
+        # the stream buffers: flat (keys, values) on the device, as large as the largest streamed block's, so blocks
+        # that keep different numbers of rows (region_sparse_keys) share them; _views: the block each one holds
+        self._buffers = [None, None]
+        self._views = [None, None]
         self._holds = [None, None]   # the key each buffer holds or is loading
         self._ready = [None, None]   # its copy's event
         self._current = 0            # the buffer the last streamed fetch returned (in use by its attention)
@@ -139,7 +142,7 @@ class KeptKeysValues:
         self._resident.clear()
         self._next.clear()
         self._pending.clear()
-        self._buffers, self._holds, self._ready = [None, None], [None, None], [None, None]
+        self._buffers, self._views, self._holds, self._ready = [None, None], [None, None], [None, None], [None, None]
         self.planned = False
 
     # ---- the full step ----
@@ -210,7 +213,7 @@ class KeptKeysValues:
             self._current = index
             if self._ready[index] is not None:
                 torch.cuda.current_stream(self.device).wait_event(self._ready[index])
-            out = self._buffers[index]
+            out = self._views[index]
         following = self._next.get(key)
         if following is not None and following not in self._holds:
             self._load(following, 1 - self._current)
@@ -218,10 +221,14 @@ class KeptKeysValues:
 
     def _load(self, key, index: int) -> int:
         keys, values = self._held[key]
-        buffer = self._buffers[index]
-        if buffer is None or buffer[0].shape != keys.shape or buffer[0].dtype != keys.dtype:
-            buffer = self._buffers[index] = (torch.empty(keys.shape, dtype=keys.dtype, device=self.device),
-                                             torch.empty(values.shape, dtype=values.dtype, device=self.device))
+        flat = self._buffers[index]
+        if flat is None or flat[0].numel() < max(keys.numel(), values.numel()) or flat[0].dtype != keys.dtype:
+            size = max(t.numel() for other in [key, *self._order] if other not in self._resident
+                       for t in self._held[other])
+            flat = self._buffers[index] = (torch.empty(size, dtype=keys.dtype, device=self.device),
+                                           torch.empty(size, dtype=values.dtype, device=self.device))
+        buffer = self._views[index] = (flat[0][:keys.numel()].view(keys.shape),
+                                       flat[1][:values.numel()].view(values.shape))
         self._holds[index] = key
         _copy(buffer[0], keys, self._stream)
         self._ready[index] = _copy(buffer[1], values, self._stream)

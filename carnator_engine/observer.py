@@ -96,9 +96,9 @@ class GenerationObserver:
         if self.connectivity is not None:
             self.connectivity.self_attention(self.step, block_index, video_q, video_k)
         if self.region is not None:
+            if self.region.active:     # target queries over the kept keys: the cached plan is for whole-clip steps
+                return self.region.attend(block_index, q, k, v, dense)
             k, v = self.region.attention_inputs(block_index, q, k, v)
-            if self.region.active:     # target queries over every key: the cached plan is for whole-clip steps
-                return dense(q, k, v)
         if self.sparse is not None and block_index in self.sparse.connectivities:
             return self.sparse.attend(block_index, q, k, v, video_tokens=video_tokens)
         return dense(q, k, v)

@@ -63,6 +63,10 @@ class CarnatorConfig:
     # the share of this process's GPU high-water mark (a full step's peak) a region-only resume may add for the
     # kept keys and values (kept_kv.placement); beyond it they are streamed from host memory block by block
     region_memory_margin: float = 0.05
+    # a region step's target attends only to the key blocks its query blocks reach in the cached generation's sparse
+    # connectivity (with sparse_attention, on an entry that has it): fewer keys kept, moved and attended to; off until
+    # its GPU speed and its quality are measured
+    region_sparse_keys: bool = False
     max_checkpoints: int = 12
     lookup_limit: int = 3
     gate_overrides: dict = field(default_factory=dict)
@@ -102,6 +106,8 @@ class CarnatorConfig:
         if not 0.0 <= self.region_memory_margin <= 100.0:
             raise ValueError(f"region_memory_margin={self.region_memory_margin} must be in [0, 100]: the share of the "
                              "GPU memory a request already used that region-only resume may add")
+        if not isinstance(self.region_sparse_keys, bool):
+            raise ValueError(f"region_sparse_keys must be True or False, got {self.region_sparse_keys!r}")
         if not isinstance(self.region_full_steps, int) or self.region_full_steps < 0:
             raise ValueError(f"region_full_steps={self.region_full_steps!r} must be a whole number >= 0: the last "
                              "steps of a region-only resume that run every token")

@@ -7,10 +7,16 @@ captured per block and per forward of the step (cfg batches, or cond and uncond 
 is not computed at all: it follows the cached request's own flow line, from its checkpoint at the resume step to its
 stored final latent (schedule.jump), so an entry needs nothing beyond what it already stores.
 
+With the cached generation's block-sparse connectivity (`reach`, CarnatorConfig.region_sparse_keys), the target
+attends only to the key rows its query blocks reach in each block's table (attention.connectivity.reached_key_rows):
+only those rows are kept, moved and attended to. A joint model's text queries (HunyuanVideo) still attend to the
+whole clip, so there every row is kept and only the target's attention is cut.
+
 A runner's model reports to `RegionTokens` through the observer: `gather` before its first block, `scatter` after
-its last one, and `self_attention` extends each block's keys and values. Where those keys and values live (pinned host
-memory, streamed to the GPU block by block, or resident) is kept_kv.py's job; when not even streaming fits, or a
-region step runs out of GPU memory, the region steps stop and the rest runs whole-clip (`fallback` says why).
+its last one, and `attend` runs a region step's self-attention (`attention_inputs` keeps and extends each block's
+keys and values). Where those keys and values live (pinned host memory, streamed to the GPU block by block, or
+resident) is kept_kv.py's job; when not even streaming fits, or a region step runs out of GPU memory, the region
+steps stop and the rest runs whole-clip (`fallback` says why).
 Everything here is pure torch.
 """
 from __future__ import annotations
@@ -51,7 +57,8 @@ class RegionTokens:
     the whole clip, captured at full steps (`full_steps`) and attended to at every other step. `memory` and `margin`
     bound the GPU memory they take (kept_kv.KeptKeysValues)."""
 
-    def __init__(self, target: torch.Tensor, full_steps: frozenset, memory=None, margin: float = 0.05):
+    def __init__(self, target: torch.Tensor, full_steps: frozenset, memory=None, margin: float = 0.05,
+                 reach: Optional[dict] = None):
         self.target = target.bool().flatten()
         self.length = int(self.target.numel())
         self.kept = self.target.nonzero().flatten()
@@ -62,6 +69,8 @@ class RegionTokens:
         self.slot = -1              # which forward of the step (cond and uncond may run apart)
         # (block, slot) -> the whole clip's keys and values [B, heads, L(+T), D], the target's rows rewritten each step
         self.keys_values = KeptKeysValues(memory, margin)
+        # block -> the video key rows the target reaches (None: every row); no entry: every row, as without tables
+        self.reach = dict(reach or {})
         self.text_tokens: Optional[int] = None
         self.tokens_through_blocks = 0   # rows the first block received over the run (tests, benchmarks)
         self.region_steps_run = 0   # steps that ran the target tokens only
@@ -171,14 +180,38 @@ class RegionTokens:
             self._indices[key] = torch.cat([self.kept, torch.arange(self.length, self.length + text)]).to(device)
         return self._indices[key]
 
+    def _reached(self, block: int, device, text: int) -> Optional[torch.Tensor]:
+        """The video key rows the target reaches in `block` (then `text` joint text rows) on `device`, or None where
+        it attends to every row."""
+        rows = self.reach.get(block)
+        if rows is None:
+            return None
+        key = (str(device), "reached", block, text)
+        if key not in self._indices:
+            self._indices[key] = torch.cat([rows, torch.arange(self.length, self.length + text)]).to(device)
+        return self._indices[key]
+
+    def _kept_rows(self, block: int, device) -> Optional[torch.Tensor]:
+        """Where the target's rows sit among the reached rows that `block` keeps alone (None: it keeps every row)."""
+        rows = self.reach.get(block)
+        if rows is None:
+            return None
+        key = (str(device), "kept among reached", block)
+        if key not in self._indices:     # the target's own blocks are reached: each target row is found
+            self._indices[key] = torch.searchsorted(rows, self.kept).to(device)
+        return self._indices[key]
+
     # ---- self-attention ----
 
     def attention_inputs(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(k, v) to attend with, [B, heads, L, D]: at a full step the whole clip's are kept; at a region step the
-        step's own rows are written into the kept ones at their places (the other tokens' rows stay as captured)."""
+        step's own rows are written into the kept ones at their places (the other tokens' rows stay as captured).
+        Without text rows, a block with reached rows keeps and returns those rows alone."""
         key = (block, max(self.slot, 0))
         if self.capturing:
-            why = self.keys_values.capture(key, k, v)
+            rows = self._reached(block, k.device, 0) if k.shape[2] == self.length else None
+            why = self.keys_values.capture(key, k, v) if rows is None else \
+                self.keys_values.capture(key, k.index_select(2, rows), v.index_select(2, rows))
             if why:
                 self.stop(why)
             return k, v
@@ -186,13 +219,28 @@ class RegionTokens:
             return k, v
         held = self.keys_values.fetch(key)
         text = int(k.shape[2]) - len(self.kept)
+        compact = self._kept_rows(block, k.device) if text == 0 else None
+        rows = self.length + text if compact is None else len(self.reach[block])
         if held is None or held[0].shape[:2] != k.shape[:2] or held[0].shape[-1] != k.shape[-1] \
-                or held[0].dtype != k.dtype or held[0].shape[2] != self.length + text:
+                or held[0].dtype != k.dtype or held[0].shape[2] != rows:
             self.missing = self.missing or (f"block {block}, forward {key[1]}: no keys and values of the other tokens "
                                             "were captured for it; the target attended to itself only")
             return k, v
         keys, values = held
-        index = self._rows(k.device, text)
+        index = self._rows(k.device, text) if compact is None else compact
         keys.index_copy_(2, index, k)
         values.index_copy_(2, index, v)
         return keys, values
+
+    def attend(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense) -> torch.Tensor:
+        """A region step's self-attention, [B, heads, target(+text), D]: `dense(q, k, v)` over the keys and values
+        of attention_inputs. A joint model's text queries attend to every row; its target's to the rows it reaches
+        and the text's."""
+        keys, values = self.attention_inputs(block, q, k, v)
+        kept = len(self.kept)
+        text = int(k.shape[2]) - kept       # text keys (a padding mask may have dropped some of the text queries')
+        if q.shape[2] == kept or self.reach.get(block) is None or keys.shape[2] != self.length + text:
+            return dense(q, keys, values)
+        reached = self._reached(block, keys.device, text)
+        target = dense(q[:, :, :kept], keys.index_select(2, reached), values.index_select(2, reached))
+        return torch.cat([target, dense(q[:, :, kept:], keys, values)], dim=2)

@@ -6,7 +6,8 @@ step, when the gate asks for it). From there either
 - whole-clip resume: every token goes through the network for steps k..N, or
 - region-only resume (CarnatorConfig.region_only, region.py): the target tokens and a halo go through it; the rest of
   the clip follows the cached request's own flow line to its stored final latent, and its keys and values come from
-  the full steps (the first resumed step, and the first of a new expert). The last `region_full_steps` steps run
+  the full steps (the first resumed step, and the first of a new expert); with region_sparse_keys only those the
+  target reaches in the cached sparse attention. The last `region_full_steps` steps run
   every token again, which blends the seam between the two.
 A hit that cannot follow its entry (a checkpoint missing, another latent shape) is generated in full; one that
 cannot go region-only (no stored final latent, too large a target, too little GPU memory for the kept keys and values,
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import gate as gate_module
-from .attention.connectivity import ConnectivityRecorder, plan_from_tensors
+from .attention.connectivity import ConnectivityRecorder, plan_from_tensors, reached_key_rows
 from .localize import latent_mask, region_cells
 from .observer import CheckpointRecorder, GenerationObserver
 from .region import RegionTokens, latent_mask_of_tokens, target_tokens
@@ -124,10 +125,24 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
     decision = _with_reason(decision, reason, {"region_share": round(share, 4), "region_only": ok,
                                                "region_steps": region_steps, "region_expected_speedup": expected})
     decision = dataclasses.replace(decision, region=note)
-    if ok:     # the request's own state at step k covers the whole region it recomputes
-        decision = dataclasses.replace(decision, target_cells=cells)
-    region = RegionTokens(tokens, full, getattr(runner, "memory", None), config.region_memory_margin) if ok else None
+    if not ok:
+        return decision, None, ""
+    # the request's own state at step k covers the whole region it recomputes
+    decision = dataclasses.replace(decision, target_cells=cells)
+    reach = None
+    if config.region_sparse_keys and config.sparse_attention and payload.connectivity:
+        reach = reached_key_rows(payload.connectivity, tokens)
+        decision = dataclasses.replace(decision, numbers={**decision.numbers,
+                                                          "region_key_share": round(key_share(reach, tokens), 4)})
+    region = RegionTokens(tokens, full, getattr(runner, "memory", None), config.region_memory_margin, reach)
     return decision, region, ""
+
+
+def key_share(reach: dict, tokens: torch.Tensor) -> float:
+    """The mean share of the clip's video keys a region step's target attends to over the blocks with a table."""
+    if not reach:
+        return 1.0
+    return sum(1.0 if rows is None else len(rows) / tokens.numel() for rows in reach.values()) / len(reach)
 
 
 def _full_steps(runner, decision: gate_module.Decision, config) -> frozenset:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .sparse import (BlockSparseAttention, pooled_block_attention, select_connectivity,
-                               token_blocks_from_mask)
+from .sparse import (BlockSparseAttention, num_blocks, pooled_block_attention, select_connectivity,
+                     token_blocks_from_mask)
 
 BLOCK_SIZE_KEY = "block_size"
 
@@ -47,3 +47,22 @@ def plan_from_tensors(tensors: dict, target_tokens: torch.Tensor) -> BlockSparse
     dense = token_blocks_from_mask(target_tokens, block_size)
     plan.set_dense_blocks(dense, dense)
     return plan
+
+
+def reached_key_rows(tensors: dict, target_tokens: torch.Tensor) -> dict:
+    """{transformer block: the video key rows [R] (sorted, on the CPU) a region step's target queries attend to}: the
+    key blocks that any query block holding a target token reaches in the cached table, and the target's own blocks
+    (its keys are recomputed at every region step); None where the table reaches every key block. A block whose table
+    does not fit these tokens is left out. Either way its target attends to the whole clip, as without the tables."""
+    block_size = int(tensors[BLOCK_SIZE_KEY])
+    length = int(target_tokens.numel())
+    blocks = num_blocks(length, block_size)
+    query_blocks = token_blocks_from_mask(target_tokens.bool().flatten(), block_size)
+    rows = {}
+    for name, table in tensors.items():
+        if name == BLOCK_SIZE_KEY or tuple(table.shape) != (blocks, blocks):
+            continue
+        reached = table.bool()[query_blocks].any(0) | query_blocks
+        rows[int(name)] = None if bool(reached.all()) else \
+            reached.repeat_interleave(block_size)[:length].nonzero().flatten()
+    return rows

@@ -48,29 +48,28 @@ def _backbone(comfy, name, directory):
     return _ltxv_model(comfy, directory)
 
 
-@pytest.mark.parametrize("cfg", [1.0, 3.0])
-@pytest.mark.parametrize("name", ["wan2.1", "wan2.2-5b", "hunyuan", "ltxv"])
-def test_a_region_step_gives_the_target_what_the_full_step_gives_it(comfy, plugin, host_dirs, name, cfg):
-    from carnator_engine.hosts.comfyui import ComfyRunner
-    from carnator_engine.observer import GenerationObserver
-    from carnator_engine.region import RegionTokens, latent_mask_of_tokens
-    model, (positive, negative), shape, blocks = _backbone(comfy, name, host_dirs["models"])
-    runner = ComfyRunner(model, positive, negative, cfg, "euler", "simple", steps=STEPS, seed=SEED)
+def _corner(runner, shape):
+    """[L] token mask: a corner of the clip after its first frame."""
     grid = runner.layout.token_grid(shape)
     target = torch.zeros(grid, dtype=torch.bool)
-    target[1:, : grid[1] // 2, 1:] = True                 # a corner of the clip after its first frame
-    target = target.flatten()
+    target[1:, : grid[1] // 2, 1:] = True
+    return target.flatten()
+
+
+def _full_then_region(runner, model, blocks, shape, region, full_plan=None):
+    """One step run twice from the same latent: every token (capturing the others' keys and values, attending
+    through `full_plan` if given), then the target tokens alone. (full, part, rows the first block received per
+    forward, forwards of each run)."""
+    from carnator_engine.observer import GenerationObserver
     sigma = float(runner.sigmas[REGION_STEP])
     x = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * sigma
-
     rows = []
     first = getattr(model.model.diffusion_model, blocks)[0]
     handle = first.register_forward_pre_hook(
         lambda module, args, kwargs: rows.append(int((args[0] if args else kwargs.get("img", kwargs.get("x"))).shape[1])),
         with_kwargs=True)
-    region = RegionTokens(target, frozenset({REGION_STEP}))
     try:
-        full_observer = GenerationObserver(region=region)
+        full_observer = GenerationObserver(region=region, sparse=full_plan)
         full = runner.run(x, runner.sigmas, REGION_STEP, REGION_STEP + 1, full_observer)
         assert region.keys_values and not region.active
         region.full_steps = frozenset()                   # the same step again, now as a region step
@@ -79,14 +78,59 @@ def test_a_region_step_gives_the_target_what_the_full_step_gives_it(comfy, plugi
         assert region.active and not region.missing
     finally:
         handle.remove()
-    kept, length = int(target.sum()), target.numel()
-    forwards = full_observer.forwards
-    assert forwards == part_observer.forwards >= 1
-    assert rows == [length] * forwards + [kept] * forwards           # the region step: the target rows only
+    assert full_observer.forwards == part_observer.forwards >= 1
+    return full, part, rows, full_observer.forwards
+
+
+def _same_target(runner, target, shape, full, part):
+    from carnator_engine.region import latent_mask_of_tokens
     inside = latent_mask_of_tokens(runner.layout, target, shape[-3:])
     scale = float(full.abs().max())
     assert (part[..., inside] - full[..., inside]).abs().max() <= 1e-4 * max(1.0, scale)
     assert torch.isfinite(part).all()
+
+
+@pytest.mark.parametrize("cfg", [1.0, 3.0])
+@pytest.mark.parametrize("name", ["wan2.1", "wan2.2-5b", "hunyuan", "ltxv"])
+def test_a_region_step_gives_the_target_what_the_full_step_gives_it(comfy, plugin, host_dirs, name, cfg):
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.region import RegionTokens
+    model, (positive, negative), shape, blocks = _backbone(comfy, name, host_dirs["models"])
+    runner = ComfyRunner(model, positive, negative, cfg, "euler", "simple", steps=STEPS, seed=SEED)
+    target = _corner(runner, shape)
+    full, part, rows, forwards = _full_then_region(runner, model, blocks, shape,
+                                                   RegionTokens(target, frozenset({REGION_STEP})))
+    kept, length = int(target.sum()), target.numel()
+    assert rows == [length] * forwards + [kept] * forwards           # the region step: the target rows only
+    _same_target(runner, target, shape, full, part)
+
+
+@pytest.mark.parametrize("name", ["wan2.1", "wan2.2-5b", "hunyuan", "ltxv"])
+def test_a_region_step_with_sparse_keys_gives_the_target_the_masked_full_steps_result(comfy, plugin, host_dirs,
+                                                                                       name):
+    """region_sparse_keys: with a cached table in which every query block reaches the first key block and itself,
+    the region step's target equals a full step whose target queries attend to the key blocks they reach alone
+    (HunyuanVideo's text queries to every key, as its target's to the text). Without text rows, only the reached
+    rows are kept."""
+    from carnator_engine.attention.connectivity import reached_key_rows
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.region import RegionTokens
+    from test_region_sparse_keys import reference_plan, sink_tables
+    model, (positive, negative), shape, blocks = _backbone(comfy, name, host_dirs["models"])
+    runner = ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
+    target, block_size = _corner(runner, shape), 8
+    reach = reached_key_rows(sink_tables(target.numel() // block_size, range(64), block_size), target)
+    assert all(int(target.sum()) < len(rows) < target.numel() for rows in reach.values())
+    region = RegionTokens(target, frozenset({REGION_STEP}), reach=reach)
+    full, part, _, _ = _full_then_region(runner, model, blocks, shape, region,
+                                         reference_plan(reach, target, block_size))
+    _same_target(runner, target, shape, full, part)
+    reached = len(next(iter(reach.values())))
+    kept_rows = {held[0].shape[2] for held in region.keys_values._held.values()}
+    if name == "hunyuan":     # its text queries attend to every key: every row kept, the text's after the video
+        assert all(rows > target.numel() for rows in kept_rows)
+    else:
+        assert kept_rows == {reached}
 
 
 def test_the_sampler_node_says_how_a_hit_resumed(comfy, plugin, tiny_model, conds, latent, tmp_path):
