@@ -19,6 +19,9 @@ and miss interleaved in alternating order:
   region hit N% resident    the region-only hit with every block's kept keys and values on the GPU
                         (region_memory_margin 100; --region-resident-shares), beside the default's bounded memory
                         (blocks beyond the memory plain sampling needed are streamed from pinned host memory)
+  region hit N% sparse keys (and +easycache)   the region-only hit with CarnatorConfig.region_sparse_keys: the
+                        target attends only to the key blocks its query blocks reach in the entry's sparse
+                        connectivity, so only those keys are kept and streamed (--region-sparse-shares; key_share)
   cfg5 plain / easycache / miss / hit   the same with cfg 5 (cond + uncond)
 Relative L2 differences are against plain (and, for miss+easycache, against easycache alone). The gate runs with
 its defaults (no overrides); a hit it accepts at another checkpoint than k is forced to k (gpu_host.carnator_hit).
@@ -88,6 +91,9 @@ def parse_args(argv=None):
     parser.add_argument("--region-resident-shares", type=shares_list, default=[0.1],
                         help="target shares of region-only hits with every kept key and value on the GPU "
                              "(region_memory_margin 100), beside the bounded default; empty: none")
+    parser.add_argument("--region-sparse-shares", type=shares_list, default=[],
+                        help="target shares of region-only hits with region_sparse_keys (alone and with EasyCache), "
+                             "beside the others; empty (default): none")
     parser.add_argument("--attention", choices=("default", "sage"), default="default",
                         help="sage: every case with SageAttention's Triton kernels (the sageattention package)")
     parser.add_argument("--compile", action="store_true",
@@ -215,6 +221,7 @@ def run(args):
     context = torch.randn(1, preset["text_len"], TEXT_DIM, generator=gen)
     positive, negative = [[context, {}]], [[torch.zeros_like(context), {}]]
     config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density)
+    sparse_keys = dataclasses.replace(config, region_sparse_keys=True)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
            "attention": args.attention, "compile": {"backend": args.compile_backend} if args.compile else None,
@@ -287,22 +294,26 @@ def run(args):
         return case, runner.to_latent_format(result.latent)
 
     def region(runner, store, calls, reference, suffix="", shares=None, hit_config=config):
-        """The region-only hits at every --region-shares, calls counted at the diffusion model as for the others; one
-        that fails is reported in out["region_errors"] and the run goes on (the cases before it are kept)."""
+        """The region-only hits (with `hit_config`) at every share of `shares` (--region-shares by default), calls
+        counted at the diffusion model as for the others; one that fails is reported in out["region_errors"] and the
+        run goes on (the cases before it are kept)."""
         found = {}
         shares = args.region_shares if shares is None else shares
-        if shares and "region_warm_up_s" not in out:
-            out["region_warm_up_s"] = None
+        # sparse keys keep blocks of other sizes: their pinned host memory is another warm-up's
+        warm_up = "region_sparse_keys_warm_up_s" if hit_config.region_sparse_keys else "region_warm_up_s"
+        if shares and warm_up not in out:
+            out[warm_up] = None
             before = len(compiles or ())
             try:
                 with timed() as span:
-                    region_hits(runner, store, config, noise, runner.sigmas, k, args.seed, shares[:1], log,
+                    region_hits(runner, store, hit_config, noise, runner.sigmas, k, args.seed, shares[:1], log,
                                 lambda latent: {}, " (warm-up)")
-                out["region_warm_up_s"] = span["seconds"]
+                out[warm_up] = span["seconds"]
                 if compiles is not None:
-                    out["compile"]["region_warm_up_compiles"] = len(compiles) - before
+                    out["compile"]["region_warm_up_compiles"] = \
+                        out["compile"].get("region_warm_up_compiles", 0) + len(compiles) - before
             except Exception:
-                out.setdefault("region_errors", {})["warm-up"] = traceback.format_exc()
+                out.setdefault("region_errors", {})[warm_up] = traceback.format_exc()
                 log(f"region warm-up FAILED:\n{traceback.format_exc()}")
         for share in shares:
             calls[0] = 0
@@ -384,6 +395,8 @@ def run(args):
                 cases.update(region(runner, store, calls, base_latent))
                 cases.update(region(runner, store, calls, base_latent, " resident", args.region_resident_shares,
                                     dataclasses.replace(config, region_memory_margin=100.0)))
+                cases.update(region(runner, store, calls, base_latent, " sparse keys", args.region_sparse_shares,
+                                    sparse_keys))
             save()
             if args.compile:
                 continue      # EasyCache inside a compiled model recompiles it at every step: not timed so
@@ -409,6 +422,8 @@ def run(args):
             facts, hit_latent = hit(runner, store, calls, "hit+easycache")
             cases["hit+easycache"] = {**facts, "rel_l2_vs_plain": rel_diff(hit_latent, base_latent)}
             cases.update(region(runner, store, calls, base_latent, "+easycache"))
+            cases.update(region(runner, store, calls, base_latent, "+easycache sparse keys", args.region_sparse_shares,
+                                sparse_keys))
             save()
     finally:
         for store in stores:
@@ -458,16 +473,20 @@ def print_table(out):
     print(f"\nCarnator + EasyCache{attention}: {out['device']}, torch {out['torch']}, "
           f"ComfyUI {out['comfyui_version']}, "
           f"{out['params'] / 1e9:.3f} B params, {out['dtype']}, N={c['steps']} p={c['probe']} k={c['resume']}, {easy}")
-    print(f"| {'case':26} | {'seconds':>8} | {'calls':>5} | {'vs plain':>8} | {'vs EasyCache':>12} | "
-          f"{'rel L2 vs plain':>15} | {'peak vs plain':>13} | {'token share':>11} | {'K/V GPU / streamed GiB':>22} |")
-    print(f"|{'-' * 28}|{'-' * 10}|{'-' * 7}|{'-' * 10}|{'-' * 14}|{'-' * 17}|{'-' * 15}|{'-' * 13}|{'-' * 24}|")
+    print(f"| {'case':38} | {'seconds':>8} | {'calls':>5} | {'vs plain':>8} | {'vs EasyCache':>12} | "
+          f"{'rel L2 vs plain':>15} | {'peak vs plain':>13} | {'token share':>11} | {'key share':>9} | "
+          f"{'K/V GPU / streamed GiB':>22} |")
+    print(f"|{'-' * 40}|{'-' * 10}|{'-' * 7}|{'-' * 10}|{'-' * 14}|{'-' * 17}|{'-' * 15}|{'-' * 13}|{'-' * 11}|"
+          f"{'-' * 24}|")
     for name, case in out["cases"].items():
         rel, peak = case.get("rel_l2_vs_plain"), case.get("peak_vs_plain_pct")
         share = case.get("region_share") if case.get("region_only") else None
-        print(f"| {name:26} | {case['seconds']:8.2f} | {case['model_calls']:>5} | {case['speedup_vs_plain']:>7.2f}x | "
+        keys = case.get("region_key_share") if case.get("region_only") else None
+        print(f"| {name:38} | {case['seconds']:8.2f} | {case['model_calls']:>5} | {case['speedup_vs_plain']:>7.2f}x | "
               f"{case.get('speedup_vs_easycache', math.nan):>11.2f}x | "
               f"{'' if rel is None else f'{rel:.2e}':>15} | {'' if peak is None else f'{peak:+.1f} %':>13} | "
-              f"{'' if share is None else f'{share:.3f}':>11} | {_kept(case):>22} |")
+              f"{'' if share is None else f'{share:.3f}':>11} | {'' if keys is None else f'{keys:.3f}':>9} | "
+              f"{_kept(case):>22} |")
     if "miss+easycache" in out["cases"]:
         miss = out["cases"]["miss+easycache"]
         print(f"miss+easycache vs easycache alone: rel L2 {miss['rel_l2_vs_easycache']:.2e}, "

@@ -333,12 +333,14 @@ def region_hits(runner, store, config, noise, sigmas, resume_step, seed, shares,
         name = f"region hit {share:.0%}{suffix}"
         cases[name] = {**facts, "peak_bytes": peak.bytes, "region_only": numbers.get("region_only"),
                        "region_share": numbers.get("region_share"), "region_steps": numbers.get("region_steps"),
+                       "region_key_share": numbers.get("region_key_share"),
                        "region_resident_bytes": numbers.get("region_resident_bytes"),
                        "region_streamed_bytes": numbers.get("region_streamed_bytes"),
                        "region_reason": next((r for r in reversed(result.decision.reasons) if "region" in r or
                                               "whole-clip" in r), ""), **difference(result.latent)}
         log(f"{name}: {facts['seconds']:.2f} s, region-only {numbers.get('region_only')}, token share "
-            f"{numbers.get('region_share')}, peak {peak.bytes / 2**30:.1f} GiB, kept keys and values "
+            f"{numbers.get('region_share')}, key share {numbers.get('region_key_share')}, peak "
+            f"{peak.bytes / 2**30:.1f} GiB, kept keys and values "
             f"{(numbers.get('region_resident_bytes') or 0) / 2**30:.2f} GiB resident, "
             f"{(numbers.get('region_streamed_bytes') or 0) / 2**30:.2f} GiB streamed")
     return cases

@@ -182,6 +182,8 @@ def child_command(args, job: str, reference: str, rows_out: str) -> list:
         argv += ["--text-embedding-cache", args.text_embedding_cache]
     if args.redi_resume_step:
         argv += ["--redi-resume-step", str(args.redi_resume_step)]
+    if args.region_sparse_keys:
+        argv += ["--region-sparse-keys"]
     if args.gate_overrides:
         argv += ["--gate", ",".join(f"{k}={v}" for k, v in args.gate_overrides.items())]
     return argv
@@ -212,6 +214,8 @@ def work_folder(args) -> str:
         return tempfile.mkdtemp(prefix="carnator-trace-")
     os.makedirs(args.work_dir, exist_ok=True)
     settings = json.loads(json.dumps({k: getattr(args, k) for k in RUN_SETTINGS}, default=str))
+    if args.region_sparse_keys:     # counted only when on: a folder kept from before the setting still serves
+        settings["region_sparse_keys"] = True
     stamp = os.path.join(args.work_dir, "settings.json")
     if os.path.exists(stamp):
         with open(stamp) as handle:
@@ -388,6 +392,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-density", type=float, default=1.0)
     parser.add_argument("--region-max-share", type=float, default=quality.CarnatorConfig.region_max_share,
                         help="largest target share resumed region-only (the region methods)")
+    parser.add_argument("--region-sparse-keys", action="store_true",
+                        help="the region methods' target attends only to the keys it reaches in the cached sparse "
+                             "attention (CarnatorConfig.region_sparse_keys)")
     parser.add_argument("--gate", dest="gate_overrides", type=quality.gate_overrides, default={},
                         help="gate settings over every Carnator method's preset, e.g. refuse_subject_change=true")
     parser.add_argument("--device", default="cpu", help="where the demo model runs (cpu, cuda)")

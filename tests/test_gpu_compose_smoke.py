@@ -1,10 +1,12 @@
 """CPU smoke run of benchmarks/gpu_compose.py (the GPU benchmarks' smoke preset, cfg 1 only, one EasyCache threshold,
-one region-only target share): the script's plumbing and the composition it reports (a Carnator miss with EasyCache
+one region-only target share, with and without sparse keys): the script's plumbing and the composition it reports (a Carnator miss with EasyCache
 equals EasyCache alone, with the same model calls), not speed."""
 from __future__ import annotations
 
 import json
 import os
+
+import pytest
 
 from benchmark_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
 
@@ -15,11 +17,21 @@ def test_gpu_compose_smoke(tmp_path):
     skip_without_comfyui()
     out = tmp_path / "compose.json"
     completed = run_smoke([SCRIPT, "--smoke", "--skip-cfg5", "--easycache-thresholds", "0.1", "--region-shares", "0.3",
-                           "--device", "cpu", "--out", str(out), "--store-dir", str(tmp_path)], TIME_LIMIT_S)
+                           "--region-sparse-shares", "0.3", "--device", "cpu", "--out", str(out),
+                           "--store-dir", str(tmp_path)], TIME_LIMIT_S)
     report = json.loads(out.read_text())
     cases = report["cases"]
     assert set(cases) == {"plain", "easycache", "miss", "hit", "miss+easycache", "hit+easycache", "region hit 30%",
-                          "region hit 30%+easycache", "region hit 10% resident"}
+                          "region hit 30%+easycache", "region hit 10% resident", "region hit 30% sparse keys",
+                          "region hit 30%+easycache sparse keys"}
+    # sparse keys beside the same hit without them: only the keys the target reaches kept (every block has a table)
+    for suffix in ("", "+easycache"):
+        dense, sparse = cases[f"region hit 30%{suffix}"], cases[f"region hit 30%{suffix} sparse keys"]
+        assert sparse["region_only"] and dense["region_key_share"] is None and "peak_bytes" in sparse
+        assert 0 < sparse["region_key_share"] <= 1
+        assert sparse["region_resident_bytes"] == pytest.approx(dense["region_resident_bytes"]
+                                                                * sparse["region_key_share"], rel=1e-3)
+    assert report["region_sparse_keys_warm_up_s"] > 0
     region = cases["region hit 30%"]          # the region-only hit: the resume stage took it, on part of the tokens
     assert region["region_only"] and 0 < region["region_share"] < 1 and region["model_calls"] < 10
     assert cases["region hit 30%+easycache"]["region_only"] and cases["region hit 10% resident"]["region_only"]

@@ -158,7 +158,8 @@ def test_one_run_of_each_request_set_goes_first_to_write_its_reference_cache():
 def test_each_carnator_method_names_its_refine_switch_whatever_the_default():
     import argparse
     quality = _script("quality")
-    args = argparse.Namespace(probe_steps=3, risk="balanced", max_density=1.0, gate_overrides={}, region_max_share=0.5)
+    args = argparse.Namespace(probe_steps=3, risk="balanced", max_density=1.0, gate_overrides={}, region_max_share=0.5,
+                              region_sparse_keys=False)
     assert quality.carnator_config("carnator_refine", args).policy().refine_target
     for region in ("carnator_region", "carnator_region_tail0"):      # region-only on top of carnator_refine
         config = quality.carnator_config(region, args)
@@ -169,6 +170,9 @@ def test_each_carnator_method_names_its_refine_switch_whatever_the_default():
         assert not quality.carnator_config(plain, args).policy().refine_target
     assert not quality.carnator_config("carnator_dense", args).sparse_attention
     assert not quality.carnator_config("carnator_no_localize", args).localize
+    assert not quality.carnator_config("carnator_region", args).region_sparse_keys
+    args.region_sparse_keys = True                                     # --region-sparse-keys
+    assert quality.carnator_config("carnator_region", args).region_sparse_keys
     args.gate_overrides = {"refine_target": True}                      # --gate still decides when given
     assert quality.carnator_config("carnator", args).policy().refine_target
 
