@@ -164,13 +164,14 @@ def test_the_memory_margin_is_validated_with_the_fix():
 
 
 @pytest.mark.gpu
-def test_on_cuda_streamed_blocks_from_pinned_memory_match_resident_ones():
+@pytest.mark.parametrize("rows", [[64] * 6, [64, 40, 64, 24, 56, 16]])
+def test_on_cuda_streamed_blocks_from_pinned_memory_match_resident_ones(rows):
     """The CUDA path: captured into pinned host memory on a side stream, every block but the first streamed through
     the two buffers while the block before attends; the same keys and values as resident ones, and nothing left
-    allocated on the device after release."""
+    allocated on the device after release. Blocks of different sizes (region_sparse_keys) share the buffers."""
     device = torch.device("cuda")
-    blocks, step_rows = 6, torch.tensor([1, 4, 9], device=device)
-    captured = [torch.randn(2, 3, 64, 8, device=device, dtype=torch.bfloat16) for _ in range(blocks)]
+    blocks, step_rows = len(rows), torch.tensor([1, 4, 9], device=device)
+    captured = [torch.randn(2, 3, count, 8, device=device, dtype=torch.bfloat16) for count in rows]
 
     def attend(store, step):
         outs = []
