@@ -2,12 +2,13 @@
 
 A full step captures, per transformer block and forward, the keys and values of the whole clip ([B, heads, L(+T), D],
 tokens in their own order; with region_sparse_keys only the rows the target reaches, so blocks differ in size); each
-region step writes its target rows (and a joint model's text rows) into them and attends. Kept on the GPU for every block they would add 2 x tokens x model width values per block (about 6 GB for
-Wan 2.1 1.3B at 480p x 81, more than doubling its peak), so on a GPU they are captured into pinned host memory, and at
-the first region step `plan` decides, from the memory the host reports, which blocks go back to the GPU for the whole
-run (resident) and which are streamed: copied into one of two GPU buffers on a side CUDA stream while the block
-before them computes (what block swap does for weights). When not even two buffers fit, the region-only resume falls
-back to whole-clip resume and says why. On the CPU the host memory is the device's: the tensors stay where they are.
+region step writes its target rows (and a joint model's text rows) into them and attends. Kept on the GPU for every
+block they would add 2 x tokens x model width values per block (about 6 GB for Wan 2.1 1.3B at 480p x 81, more than
+doubling its peak), so on a GPU they are captured into pinned host memory, and at the first region step `plan`
+decides, from the memory the host reports, which blocks go back to the GPU for the whole run (resident) and which are
+streamed: copied into one of two GPU buffers on a side CUDA stream while the block before them computes (what block
+swap does for weights). When not even two buffers fit, the region-only resume falls back to whole-clip resume and
+says why. On the CPU the host memory is the device's: the tensors stay where they are.
 """
 from __future__ import annotations
 
