@@ -40,7 +40,7 @@ import reports  # noqa: E402
 RESULTS = os.path.join(HERE, "results")
 DEFAULT_COSTS = os.path.join(RESULTS, "gpu", "gpu_compose_h100.json")
 DEFAULT_TRACES = [os.path.join(RESULTS, "quality", f"trace_1000_{name}.json")
-                  for name in ("randomize", "fixed", "randomize_alternatives")]
+                  for name in ("randomize", "fixed", "alternatives")]
 
 
 def step_costs(compose: dict) -> dict:
