@@ -26,6 +26,7 @@ for seed in range(10_000):
     entry = store.put(bucket="b", prompt="w", seed=seed, steps=10, probe_steps=2, signature=_signature(seed),
                       payload=TrajectoryPayload({{4: latent}}, {{}}), latent_shape=latent.shape)
     print(entry, seed, flush=True)
+    sys.stdin.readline()              # the go-ahead: never more than one write ahead of the test
 """
 
 
@@ -46,18 +47,22 @@ def _verify_everything(url, seeded: bool = False) -> dict:
 
 
 def killed_mid_write(command: list, after: int) -> dict:
-    """Runs a writer that prints "<entry id> <seed>" per acknowledged entry and kills it with SIGKILL just into the
-    write after the `after`th; the acknowledged {id: seed}."""
-    writer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    """Runs a writer that prints "<entry id> <seed>" per acknowledged entry, then waits for a line on its stdin
+    before its next write, and kills it with SIGKILL just into the write after the `after`th: exactly one write is
+    in flight when it dies, however loaded the machine. The acknowledged {id: seed}."""
+    writer = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     acknowledged = {}
     for line in writer.stdout:
         entry, seed = line.split()
         acknowledged[entry] = int(seed)
+        writer.stdin.write("\n")
+        writer.stdin.flush()
         if len(acknowledged) == after:
-            time.sleep(0.05)          # into the next write
+            time.sleep(0.05)          # into the next write (or before it: at most one more entry either way)
             os.kill(writer.pid, signal.SIGKILL)
             break
     writer.wait()
+    writer.stdin.close()
     assert writer.returncode == -signal.SIGKILL
     return acknowledged
 
