@@ -598,6 +598,8 @@ POOLED_RUNS = {"default": ["--methods", "no_reuse,carnator_refine"],
                "subject_rule": ["--gate", "refuse_subject_change=true", "--methods", "no_reuse,carnator_refine"],
                # region-only resume (off by default until this check has run with it), beside the default's hits
                "region": ["--region-max-share", "0.8", "--methods", "no_reuse,carnator_refine,carnator_region"],
+               # region-only at its own default limit: what turning it on by default would give
+               "region50": ["--methods", "no_reuse,carnator_refine,carnator_region"],
                "balanced": ["--methods", "no_reuse,text_similarity,carnator"],
                "balanced_refine": PLAIN_AND_REFINE,
                "aggressive_refine": ["--risk", "aggressive", *PLAIN_AND_REFINE],
