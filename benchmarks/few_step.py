@@ -77,8 +77,9 @@ def measure_steps(n, models, spec, args, block_size, root, log):
     sigmas = runner.sigmas
     # risk aggressive: the default (balanced) does not reuse at few-step schedules (carnator_engine/few_step_gate.py);
     # a miss is the same at every risk level, and the hits measure what a hit costs where a level does reuse
+    # "hit" is the whole-clip hit; the region-only case turns region_only on
     config = CarnatorConfig(probe_steps=default_probe_steps(n), block_size=block_size, max_density=args.max_density,
-                            risk="aggressive")
+                            risk="aggressive", region_only=False)
     out = {"steps": n, "probe_steps": config.probe_steps, "switch_step": switch}
 
     plain_runs = []
@@ -110,7 +111,8 @@ def measure_steps(n, models, spec, args, block_size, root, log):
 
     for key, hit_config, repeats in (("hit", config, args.repeats),
                                      ("hit_dense", CarnatorConfig(probe_steps=config.probe_steps, block_size=block_size,
-                                                                  sparse_attention=False, risk="aggressive"), 1)):
+                                                                  sparse_attention=False, risk="aggressive",
+                                                                  region_only=False), 1)):
         runs = []
         for _ in range(repeats):
             facts, result, _ = gs.carnator_hit(runner, store, hit_config, noise, sigmas, None, args.seed)

@@ -307,7 +307,8 @@ def measure(name, spec, args, device, dtype, log):
                                                     step_s)
     out["attention_share"] = a
 
-    config = CarnatorConfig(probe_steps=p, block_size=block_size, max_density=args.max_density)
+    # "hit" is the whole-clip hit; the region-only cases turn region_only on with their forced targets
+    config = CarnatorConfig(probe_steps=p, block_size=block_size, max_density=args.max_density, region_only=False)
     root = tempfile.mkdtemp(prefix="carnator_backbones_")
     try:
         store = CarnatorStore(os.path.join(root, name), size_limit_bytes=64 << 30)

@@ -220,7 +220,9 @@ def run(args):
     noise = torch.randn(latent_shape, generator=gen)
     context = torch.randn(1, preset["text_len"], TEXT_DIM, generator=gen)
     positive, negative = [[context, {}]], [[torch.zeros_like(context), {}]]
-    config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density)
+    # "hit" is the whole-clip hit; the region-only cases turn region_only on with their forced targets
+    config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density,
+                            region_only=False)
     sparse_keys = dataclasses.replace(config, region_sparse_keys=True)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),

@@ -22,6 +22,10 @@ from .gate import RegionFallback
 
 GIB = 1 << 30
 RESERVE = 256 << 20      # device bytes the plan never counts on: the allocator's rounding, a kernel's workspace
+# The most of the host memory available when a run begins that its kept keys and values may take: the host (ComfyUI
+# offloading models, block swap) keeps the rest. Pinned memory stays locked in torch's cache after a run, for the
+# next run to reuse.
+HOST_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,12 @@ def placement(order: list, sizes: dict, reading: MemoryReading, share: float, ma
     return resident, None
 
 
+def host_budget(available: int, cached: int) -> int:
+    """The most one run's kept keys and values may take of the host: HOST_SHARE of what it has available, counting the
+    pinned memory torch keeps `cached` from earlier runs (the run takes it from there)."""
+    return int(HOST_SHARE * (available + cached))
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> Optional[object]:
     """dst.copy_(src) after the work queued so far; on a CUDA side stream, returning its event (None: done)."""
     if stream is None:
@@ -111,9 +121,15 @@ class KeptKeysValues:
     steps. `memory` reads the device's memory (TorchMemory by default); `margin` is the share of the process's
     high-water mark the region steps may add."""
 
+    # bytes of pinned host memory runs of this process have held at once: torch caches them after a run (counted as
+    # in use by the host), and the next run's captures of the same sizes take them from that cache
+    pinned_high_water = 0
+
     def __init__(self, memory=None, margin: float = 0.05):
         self.memory = memory if memory is not None else TorchMemory()
         self.margin = float(margin)
+        self._host_budget: Optional[int] = None   # set at the run's first capture
+        self._kept_bytes = 0
         self._held: dict = {}        # key -> (keys, values): pinned host (CUDA, streamed), the device's (resident)
         self._order: list = []       # keys in capture order (the order region steps fetch them)
         self._resident: set = set()
@@ -145,6 +161,7 @@ class KeptKeysValues:
         self._pending.clear()
         self._buffers, self._views, self._holds, self._ready = [None, None], [None, None], [None, None], [None, None]
         self.planned = False
+        self._host_budget, self._kept_bytes = None, 0
 
     # ---- the full step ----
 
@@ -152,14 +169,20 @@ class KeptKeysValues:
         """Keeps (k, v) of `key`; None or why it cannot (the host's memory): then nothing is kept."""
         self.device = k.device
         need = 2 * k.numel() * k.element_size()
-        available = self.memory.host_available()
-        if need + GIB > available:
+        pinning = k.device.type == "cuda"
+        if self._host_budget is None:
+            self._host_budget = host_budget(self.memory.host_available(),
+                                            KeptKeysValues.pinned_high_water if pinning else 0)
+        if self._kept_bytes + need > self._host_budget:
             return RegionFallback("not enough host memory to keep the other tokens' keys and values",
-                                  f"not enough host memory to keep the other tokens' keys and values ({need / GIB:.2f} "
-                                  f"GiB more needed, {available / GIB:.2f} GiB available); whole-clip resume")
-        if k.device.type != "cuda":
+                                  f"not enough host memory to keep the other tokens' keys and values (more than "
+                                  f"{self._host_budget / GIB:.2f} GiB, {HOST_SHARE:.0%} of what the host has "
+                                  "available); whole-clip resume")
+        self._kept_bytes += need
+        if not pinning:
             self._keep(key, (k.detach().clone(), v.detach().clone()))
             return None
+        KeptKeysValues.pinned_high_water = max(KeptKeysValues.pinned_high_water, self._kept_bytes)
         held = tuple(torch.empty(k.shape, dtype=k.dtype, pin_memory=True) for _ in range(2))
         if self._stream is None:
             self._stream = torch.cuda.Stream(k.device)

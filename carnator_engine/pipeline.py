@@ -52,9 +52,9 @@ class CarnatorConfig:
     sparse_attention: bool = True   # ablation switch: resume with dense attention
     localize: bool = True           # ablation switch: copy the whole cached latent, no target region
     # Region-only resume (docs/region-resume.md): a hit's resumed steps run the target tokens and a halo only, the
-    # rest of the clip follows the cached request; off until its GPU speed and memory are measured (its pooled
-    # quality check passes).
-    region_only: bool = False
+    # rest of the clip follows the cached request, the kept keys and values within the GPU memory plain sampling
+    # needed (kept_kv); on since its pooled check, the creator trace and the memory goal on every backbone held.
+    region_only: bool = True
     region_max_share: float = 0.5   # beyond this share of the clip's tokens (halo included): whole-clip resume
     region_full_steps: int = 1      # last steps that run every token again, blending the seam
     # the region-only target adds to the gate's cells the fewest cells holding this share of the early estimates'

@@ -122,6 +122,22 @@ def test_a_hit_without_host_memory_for_the_kept_keys_resumes_whole_clip(tiny_mod
     assert result.decision.region == "whole clip: not enough host memory to keep the other tokens' keys and values"
 
 
+def test_the_kept_keys_take_at_most_half_of_the_host_memory_a_run_began_with():
+    """The host keeps the other half (ComfyUI offloads models there); on CUDA, pinned memory that torch keeps cached
+    from an earlier run counts as available to the next, which reuses it."""
+    k = torch.zeros(1, 2, 256, 64)                     # 2 x 128 KiB per block
+    block = 2 * k.numel() * k.element_size()
+    kept = KeptKeysValues(FakeMemory(host=int(4.5 * block / kept_kv.HOST_SHARE)))
+    assert all(kept.capture((b, 0), k, k) is None for b in range(4))
+    why = kept.capture((4, 0), k, k)
+    assert why.note == "not enough host memory to keep the other tokens' keys and values"
+    assert "50% of what the host has available" in why.reason and why.reason.endswith("whole-clip resume")
+    kept.release()                                     # a new run reads the host afresh
+    assert kept.capture((0, 0), k, k) is None and kept._host_budget == int(4.5 * block)
+    # on CUDA, what earlier runs pinned and torch keeps cached counts as available
+    assert kept_kv.host_budget(available=10 * GIB, cached=6 * GIB) == int(kept_kv.HOST_SHARE * 16 * GIB)
+
+
 def test_a_region_step_out_of_memory_resumes_the_whole_clip_from_the_resume_step(tiny_model, store, monkeypatch):
     runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
     whole = _whole_clip(runner, probed, decision, store.trajectory(store.record(decision.entry_id)), config)

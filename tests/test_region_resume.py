@@ -224,9 +224,16 @@ def test_token_masks_map_back_to_the_latent_cells_they_carry(tiny_model):
     assert target_tokens(layout, mask, (1, 1, 1)).sum() == 27
 
 
+def test_a_hit_on_a_local_change_resumes_region_only_by_default(tiny_model, store):
+    runner, probed, decision, _ = _hit(tiny_model, store)                   # a corner of the clip changed
+    result = resume(runner, probed, decision, store, _config(), PROMPT, 2)  # every reuse setting at its default
+    assert result.decision.numbers["region_only"] is True
+    assert 0 < result.decision.numbers["region_share"] <= CarnatorConfig().region_max_share
+
+
 def test_the_region_setting_is_part_of_a_hits_replay_key():
     from carnator_engine.pipeline import hit_replay_key
-    assert hit_replay_key("k", CarnatorConfig()) != hit_replay_key("k", CarnatorConfig(region_only=True))
+    assert hit_replay_key("k", CarnatorConfig()) != hit_replay_key("k", CarnatorConfig(region_only=False))
 
 
 def test_a_hit_with_no_target_tokens_resumes_whole_clip(tiny_model, store):
@@ -302,5 +309,5 @@ def test_the_node_says_how_a_hit_resumed_and_what_it_expects(tiny_model, store):
     assert summary["region"] == f"whole clip: the change covers {share:.0%} of it, over the region-only limit of 1%"
     assert summary["expected_speedup"] == round(STEPS / over.decision.model_calls, 3)
     assert "; whole clip: the change covers" in summary_text(summary)
-    assert CarnatorConfig().region_only is False and resume(
-        runner, probed, decision, store, _config(), PROMPT, 2).decision.summary()["region"] == ""
+    assert resume(runner, probed, decision, store, _config(region_only=False), PROMPT, 2
+                  ).decision.summary()["region"] == ""           # off: no region line at all

@@ -542,7 +542,7 @@ def test_a_staged_request_is_served_a_samplers_hit_only_with_the_same_settings(c
         assert not summary["exact_repeat"] and calls == summary["model_calls"] > PROBE, name
         if summary["stored_as"]:      # the store as before: the next setting meets the Sampler's hit alone
             cache.delete(summary["stored_as"])
-    same_latent, same, calls = staged({}, {})
+    same_latent, same, calls = staged({}, {"region_only": False})     # sample()'s (whole-clip) settings
     assert same["exact_repeat"] and same["entry_id"] == hit["stored_as"] and calls == PROBE == same["model_calls"]
     assert torch.equal(same_latent["samples"], hit_latent["samples"])
 
@@ -771,6 +771,10 @@ def test_plugin_loads_through_comfyui_custom_node_loader(comfy, plugin):
     from carnator_engine.store import DEFAULT_SIZE_LIMIT
     size = comfy.NODE_CLASS_MAPPINGS["CarnatorCache"].INPUT_TYPES()["required"]["size_limit_gb"][1]["default"]
     assert size * (1 << 30) == DEFAULT_SIZE_LIMIT                 # one default size limit: node, CLI, engine
+    from carnator_engine.pipeline import CarnatorConfig
+    for name in ("CarnatorSampler", "CarnatorTrajectoryResume"):   # one region-only default: nodes and engine
+        region_only = comfy.NODE_CLASS_MAPPINGS[name].INPUT_TYPES()["optional"]["region_only"][1]["default"]
+        assert region_only is CarnatorConfig().region_only is True
     options = comfy.NODE_CLASS_MAPPINGS["CarnatorSampler"].INPUT_TYPES()["required"]["sampler_name"][1]["options"]
     assert options == comfy.NODE_CLASS_MAPPINGS["KSampler"].INPUT_TYPES()["required"]["sampler_name"][0]
     assert module.WEB_DIRECTORY == "./web"
