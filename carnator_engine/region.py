@@ -161,24 +161,25 @@ class RegionTokens:
         """The video rows a block carries in this step."""
         return len(self.kept) if self.active else self.length
 
-    def _index(self, device, with_text: bool) -> torch.Tensor:
-        """The kept rows' indices on `device` (then the text rows'), copied there once: a copy per block would stall
-        the GPU's queue."""
-        key = (str(device), with_text and bool(self.text_tokens), self.text_tokens)
+    def _on_device(self, key: tuple, make) -> torch.Tensor:
+        """`make()`'s index tensor for `key`, made and copied to its device once: a copy per block would stall the
+        GPU's queue."""
         if key not in self._indices:
-            index = self.kept.to(device)
-            if key[1]:
-                index = torch.cat([index, torch.arange(self.length, self.length + self.text_tokens, device=device)])
-            self._indices[key] = index
+            self._indices[key] = make()
         return self._indices[key]
+
+    def _with_text(self, rows: torch.Tensor, text: int, device) -> torch.Tensor:
+        """`rows` then `text` joint text rows after the video's, on `device`."""
+        return torch.cat([rows, torch.arange(self.length, self.length + text)]).to(device)
+
+    def _index(self, device, with_text: bool) -> torch.Tensor:
+        """The kept rows' indices on `device` (then the text rows')."""
+        return self._rows(device, self.text_tokens if with_text else 0)
 
     def _rows(self, device, text: int) -> torch.Tensor:
         """Where a region step's attention rows go in the whole clip's: the kept tokens, then `text` joint text rows
         after the video (those a padding mask left)."""
-        key = (str(device), "rows", text)
-        if key not in self._indices:
-            self._indices[key] = torch.cat([self.kept, torch.arange(self.length, self.length + text)]).to(device)
-        return self._indices[key]
+        return self._on_device((str(device), "rows", text), lambda: self._with_text(self.kept, text, device))
 
     def _reached(self, block: int, device, text: int) -> Optional[torch.Tensor]:
         """The video key rows the target reaches in `block` (then `text` joint text rows) on `device`, or None where
@@ -186,20 +187,16 @@ class RegionTokens:
         rows = self.reach.get(block)
         if rows is None:
             return None
-        key = (str(device), "reached", block, text)
-        if key not in self._indices:
-            self._indices[key] = torch.cat([rows, torch.arange(self.length, self.length + text)]).to(device)
-        return self._indices[key]
+        return self._on_device((str(device), "reached", block, text), lambda: self._with_text(rows, text, device))
 
     def _kept_rows(self, block: int, device) -> Optional[torch.Tensor]:
         """Where the target's rows sit among the reached rows that `block` keeps alone (None: it keeps every row)."""
         rows = self.reach.get(block)
         if rows is None:
             return None
-        key = (str(device), "kept among reached", block)
-        if key not in self._indices:     # the target's own blocks are reached: each target row is found
-            self._indices[key] = torch.searchsorted(rows, self.kept).to(device)
-        return self._indices[key]
+        # the target's own blocks are reached: each target row is found
+        return self._on_device((str(device), "kept among reached", block),
+                               lambda: torch.searchsorted(rows, self.kept).to(device))
 
     # ---- self-attention ----
 
