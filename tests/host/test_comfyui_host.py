@@ -41,7 +41,7 @@ def open_cache(comfy, directory, size_gb=1.0):
 
 def sampler_output(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
                    risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
-                   attention_density=1.0, region_only=False, **experts):
+                   attention_density=1.0, region_only=True, **experts):
     """The Carnator Sampler node's whole output: (latent, decision JSON) and the text it shows on itself."""
     out = node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
                                          "simple", probe_steps, risk, sparse_attention, attention_density,
@@ -508,7 +508,8 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
 
 STAGED_SETTINGS = {"gate risk": ({"risk": "safe"}, {}), "gate limit": ({"max_resume_fraction": 0.2}, {}),
                    "dense resume": ({}, {"sparse_attention": False}),
-                   "attention density": ({}, {"attention_density": 0.5}), "region only": ({}, {"region_only": True})}
+                   "attention density": ({}, {"attention_density": 0.5}),
+                   "whole-clip only": ({}, {"region_only": False})}
 
 
 def test_a_staged_request_is_served_a_samplers_hit_only_with_the_same_settings(comfy, plugin, counted, conds, latent,
@@ -542,7 +543,7 @@ def test_a_staged_request_is_served_a_samplers_hit_only_with_the_same_settings(c
         assert not summary["exact_repeat"] and calls == summary["model_calls"] > PROBE, name
         if summary["stored_as"]:      # the store as before: the next setting meets the Sampler's hit alone
             cache.delete(summary["stored_as"])
-    same_latent, same, calls = staged({}, {"region_only": False})     # sample()'s (whole-clip) settings
+    same_latent, same, calls = staged({}, {})
     assert same["exact_repeat"] and same["entry_id"] == hit["stored_as"] and calls == PROBE == same["model_calls"]
     assert torch.equal(same_latent["samples"], hit_latent["samples"])
 
