@@ -2,8 +2,8 @@
 Carnator by ComfyUI's own loader): the tiny Wan 2.1 written with the `gguf` package as Q8_0 and as the K-quant Q6_K.
 
 A miss equals plain sampling (KSampler) of the same GGUF model, an exact repeat makes no model call, a prompt edit
-hits, and the quantization type is part of the model key: a Q8_0 request never reuses a Q6_K or a float
-generation.
+hits, a region-only step (on by default) gives its target what a full step gives it through the quantized weights,
+and the quantization type is part of the model key: a Q8_0 request never reuses a Q6_K or a float generation.
 """
 from __future__ import annotations
 
@@ -79,3 +79,17 @@ def test_the_quantization_type_is_part_of_the_model_key(comfy, plugin, gguf_mode
     _, other = sample(comfy, gguf_models["Q8_0"], cache, nudged(positive), negative, latent)
     assert not other["reuse"] and not other["exact_repeat"]
     assert "differs in model/patches" in " ".join(other["reasons"]), other["reasons"]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_gguf_region_step_gives_the_target_what_the_full_step_gives_it(comfy, plugin, gguf_models, conds, qtype):
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.region import RegionTokens
+    from test_region_host import REGION_STEP, _corner, _full_then_region, _same_target
+    model, shape = gguf_models[qtype], (1, 16, 5, 16, 16)
+    runner = ComfyRunner(model, *conds, CFG, "euler", "simple", steps=STEPS, seed=SEED)
+    target = _corner(runner, shape)
+    full, part, rows, forwards = _full_then_region(runner, model, "blocks", shape,
+                                                   RegionTokens(target, frozenset({REGION_STEP})))
+    assert rows == [target.numel()] * forwards + [int(target.sum())] * forwards
+    _same_target(runner, target, shape, full, part)

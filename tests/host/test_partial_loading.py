@@ -46,5 +46,28 @@ def test_partial_loading_gives_the_same_results_and_the_same_key(comfy, plugin, 
     management.unload_all_models()
 
 
+def test_a_region_step_on_a_partially_loaded_model_with_a_lora_gives_the_target_the_full_steps_result(
+        comfy, plugin, tiny_model, conds, host_dirs, monkeypatch):
+    """Region-only resume (on by default) cuts the tokens, not the weights: modules cast per forward with their
+    LoRA applied on the fly give the target what a full step gives it."""
+    import comfy.model_management as management
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.region import RegionTokens
+    from test_region_host import REGION_STEP, _corner, _full_then_region, _same_target
+    model = node_lora(comfy, tiny_model, hostsetup.build_tiny_lora(str(host_dirs["root"] / "loras")))
+    whole_load = management.LoadedModel.model_load
+    monkeypatch.setattr(management.LoadedModel, "model_load",
+                        lambda self, lowvram_model_memory=0, force_patch_weights=False:
+                        whole_load(self, 1 << 20, force_patch_weights=force_patch_weights))
+    management.unload_all_models()
+    shape = (1, 16, 5, 16, 16)
+    runner = ComfyRunner(model, *conds, 5.0, "euler", "simple", steps=10, seed=1)
+    target = _corner(runner, shape)
+    full, part, _, _ = _full_then_region(runner, model, "blocks", shape, RegionTokens(target, frozenset({REGION_STEP})))
+    assert model.model.model_lowvram and model.model.lowvram_patch_counter > 0
+    _same_target(runner, target, shape, full, part)
+    management.unload_all_models()
+
+
 def node_lora(comfy, model, lora_name):
     return comfy.NODE_CLASS_MAPPINGS["LoraLoaderModelOnly"]().load_lora_model_only(model, lora_name, 1.0)[0]
