@@ -93,6 +93,20 @@ def test_every_workflow_fits_the_host_and_our_nodes(comfy, plugin, name):
     assert check_workflow(shipped, classes, check_combos=lambda node_type, widget: widget not in MODEL_FILES) == []
 
 
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_every_workflow_resumes_as_the_nodes_do_by_default(comfy, plugin, name):
+    """A shipped workflow's region_only widget holds the node's default: loading one must not turn it off."""
+    from workflowcheck import widget_slots
+    shipped = json.loads((hostsetup.REPO / "workflows" / name).read_text())
+    ours = [n for n in shipped["nodes"] if n["type"] in ("CarnatorSampler", "CarnatorTrajectoryResume")]
+    assert ours
+    for node in ours:
+        node_class = comfy.NODE_CLASS_MAPPINGS[node["type"]]
+        slot = [s[0] for s in widget_slots(node_class)].index("region_only")
+        default = node_class.INPUT_TYPES()["optional"]["region_only"][1]["default"]
+        assert node["widgets_values"][slot] is default, (name, node["type"])
+
+
 def test_image_to_video_workflow_feeds_the_start_image_through_wan_image_to_video(comfy, plugin):
     shipped = json.loads((hostsetup.REPO / "workflows" / "carnator_wan22_i2v_a14b.json").read_text())
     by_id = {n["id"]: n for n in shipped["nodes"]}
