@@ -178,12 +178,19 @@ class KeptKeysValues:
                                   f"not enough host memory to keep the other tokens' keys and values (more than "
                                   f"{self._host_budget / GIB:.2f} GiB, {HOST_SHARE:.0%} of what the host has "
                                   "available); whole-clip resume")
-        self._kept_bytes += need
         if not pinning:
+            self._kept_bytes += need
             self._keep(key, (k.detach().clone(), v.detach().clone()))
             return None
+        try:
+            held = tuple(torch.empty(k.shape, dtype=k.dtype, pin_memory=True) for _ in range(2))
+        except RuntimeError as error:      # the host would not pin more (its memory, a container's limit)
+            return RegionFallback("not enough host memory to keep the other tokens' keys and values",
+                                  f"not enough host memory to keep the other tokens' keys and values (pinning "
+                                  f"{need / GIB:.2f} GiB more failed: {str(error).splitlines()[0][:120]}); "
+                                  "whole-clip resume")
+        self._kept_bytes += need
         KeptKeysValues.pinned_high_water = max(KeptKeysValues.pinned_high_water, self._kept_bytes)
-        held = tuple(torch.empty(k.shape, dtype=k.dtype, pin_memory=True) for _ in range(2))
         if self._stream is None:
             self._stream = torch.cuda.Stream(k.device)
         self._pending += [_copy(held[0], k, self._stream), _copy(held[1], v, self._stream)]

@@ -138,6 +138,21 @@ def test_the_kept_keys_take_at_most_half_of_the_host_memory_a_run_began_with():
     assert kept_kv.host_budget(available=10 * GIB, cached=6 * GIB) == int(kept_kv.HOST_SHARE * 16 * GIB)
 
 
+def test_a_host_that_will_not_pin_more_memory_gives_a_whole_clip_reason_not_an_error(monkeypatch):
+    def refuse(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory\nmore lines")
+        return torch.zeros(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", refuse)
+    k = torch.zeros(1, 2, 8, 4)
+    on_cuda = type("CudaTensor", (), {"device": torch.device("cuda"), "shape": k.shape, "dtype": k.dtype,
+                                      "numel": k.numel, "element_size": k.element_size})()
+    kept = KeptKeysValues(FakeMemory())
+    why = kept.capture((0, 0), on_cuda, on_cuda)
+    assert why.note == "not enough host memory to keep the other tokens' keys and values"
+    assert why.reason.endswith("failed: CUDA error: out of memory); whole-clip resume") and len(kept) == 0
+
+
 def test_a_region_step_out_of_memory_resumes_the_whole_clip_from_the_resume_step(tiny_model, store, monkeypatch):
     runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
     whole = _whole_clip(runner, probed, decision, store.trajectory(store.record(decision.entry_id)), config)
