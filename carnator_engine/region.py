@@ -75,6 +75,7 @@ class RegionTokens:
         self.tokens_through_blocks = 0   # rows the first block received over the run (tests, benchmarks)
         self.region_steps_run = 0   # steps that ran the target tokens only
         self.missing = ""           # why a region step ran without the others' keys and values ("" if never)
+        self.failed = ""            # how the region steps failed, if they did (resume: whole clip from step k)
         self.fallback: Optional[RegionFallback] = None   # why the region steps stopped and the rest ran whole-clip
         self._gathered: dict = {}
         self._indices: dict = {}

@@ -80,6 +80,8 @@ def finish(runner, probed, decision: gate_module.Decision, payload, config, chec
     latent = follow_entry(runner, probed, decision, payload, config, observer, region)
     if region is not None and region.missing:
         warnings.append(f"region-only resume: {region.missing}")
+    if region is not None and region.failed:
+        warnings.append(region.failed)
     if region is not None and region.fallback:
         decision = _with_reason(decision, region.fallback.reason, {"region_only": False,
                                                                    "region_steps": region.region_steps_run})
@@ -195,11 +197,17 @@ def region_only_steps(runner, x: torch.Tensor, sigmas: torch.Tensor, k: int, pay
     observer.region, checkpoints, observer.checkpoints = region, observer.checkpoints, None
     try:
         own = runner.run(x, sigmas, k, end, observer)
-    except torch.OutOfMemoryError as error:     # never a failed request: the whole clip from step k instead
-        own = None
-        region.stop(gate_module.RegionFallback("region-only resume ran out of GPU memory",
-                                   f"region-only resume ran out of GPU memory ({str(error).splitlines()[0][:120]}); "
-                                   f"whole-clip resume from step {k}"))
+    except RuntimeError as error:     # never a failed request: the whole clip from step k instead (a cancel is no
+        own = None                    # RuntimeError: it goes through)
+        first = (str(error).splitlines() or [""])[0][:160]
+        if isinstance(error, torch.OutOfMemoryError):
+            region.stop(gate_module.RegionFallback("region-only resume ran out of GPU memory",
+                                                   f"region-only resume ran out of GPU memory ({first}); "
+                                                   f"whole-clip resume from step {k}"))
+        else:                         # a fault of the region path: said as a warning too, never hidden
+            region.failed = f"region-only resume failed ({type(error).__name__}: {first}); whole-clip resume from " \
+                            f"step {k}"
+            region.stop(gate_module.RegionFallback("region-only resume failed", region.failed))
     finally:
         observer.region, observer.checkpoints = None, checkpoints
         region.keys_values.release()     # the last full steps run without them

@@ -153,23 +153,43 @@ def test_a_host_that_will_not_pin_more_memory_gives_a_whole_clip_reason_not_an_e
     assert why.reason.endswith("failed: CUDA error: out of memory); whole-clip resume") and len(kept) == 0
 
 
-def test_a_region_step_out_of_memory_resumes_the_whole_clip_from_the_resume_step(tiny_model, store, monkeypatch):
+class Cancelled(Exception):
+    """What a host's cancel looks like to the engine (ComfyUI's InterruptProcessingException): no RuntimeError."""
+
+
+@pytest.mark.parametrize("fault", ["out of memory", "a fault of the region path", "a cancel"])
+def test_a_region_step_that_fails_resumes_the_whole_clip_from_the_resume_step(tiny_model, store, monkeypatch, fault):
+    """Never a failed request: out of GPU memory, or any other error of the region steps (said as a warning too),
+    the hit resumes the whole clip from step k; a cancel goes through."""
     runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
     whole = _whole_clip(runner, probed, decision, store.trajectory(store.record(decision.entry_id)), config)
     original = type(runner).run
+    error = {"out of memory": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore"),
+             "a fault of the region path": RuntimeError("shape mismatch in block 3"),
+             "a cancel": Cancelled("cancelled")}[fault]
 
     def run(self, x, sigmas, start, end, observer):
         if observer.region is not None:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise error
         return original(self, x, sigmas, start, end, observer)
     monkeypatch.setattr(type(runner), "run", run)
+    if fault == "a cancel":
+        with pytest.raises(Cancelled):
+            resume(runner, probed, decision, store, config, PROMPT, 2)
+        return
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     d = result.decision
     assert d.reuse and d.numbers["region_only"] is False
-    assert d.reasons[-1] == (f"region-only resume ran out of GPU memory (CUDA out of memory. Tried to allocate 2.00 "
-                             f"GiB); whole-clip resume from step {d.resume_step}")
-    assert d.region == "whole clip: region-only resume ran out of GPU memory"
     assert torch.allclose(result.latent, whole, rtol=1e-5, atol=1e-5)
+    if fault == "out of memory":
+        assert d.reasons[-1] == (f"region-only resume ran out of GPU memory (CUDA out of memory. Tried to allocate "
+                                 f"2.00 GiB); whole-clip resume from step {d.resume_step}")
+        assert d.region == "whole clip: region-only resume ran out of GPU memory" and not result.warnings
+    else:
+        said = (f"region-only resume failed (RuntimeError: shape mismatch in block 3); whole-clip resume from step "
+                f"{d.resume_step}")
+        assert d.reasons[-1] == said and result.warnings == [said]
+        assert d.region == "whole clip: region-only resume failed"
 
 
 def test_the_kept_keys_are_freed_before_the_last_full_steps(tiny_model, store, monkeypatch):
