@@ -10,14 +10,14 @@ misses with their probe, repeats; in model calls and in seconds on this machine)
 
 Methods: no_reuse, text_similarity (NIRVANA-style: MiniLM cosine picks the entry, fixed resume step), steps_<N>
 (fewer steps: --fewer-steps), easycache (the EasyCache rule, benchmarks/quality.py), carnator_<risk> (the
-product's pipeline, refine on, whole-clip resume, at each risk level), carnator+steps_<N> and carnator+easycache (the default risk on top
-of the per-request method), carnator_subject_rule (the default with the gate's refuse_subject_change on),
-carnator_region (the product's default: carnator_balanced with region-only resume; benchmarks/gpu_time.py prices
-its region steps); the
-cross-request caches a creator could pick instead (benchmarks/prior_caches.py): cacheseek (CacheSeek's rule: the
-nearest prompt at cosine >= --cacheseek-threshold skips the first 10 % of the steps), redi (ReDi's rule: the nearest
-trajectory after the probe steps within --redi-threshold resumes at a later step) and comfyui_cache (ComfyUI's
-execution cache: the previous request again, within one session, costs nothing).
+product's pipeline, refine on, whole-clip resume, at each risk level), carnator+steps_<N> and carnator+easycache
+(the default risk on top of the per-request method), carnator_subject_rule (the default with the gate's
+refuse_subject_change on), carnator_region (the product's default: carnator_balanced with region-only resume;
+benchmarks/gpu_time.py prices its region steps); the cross-request caches a creator could pick instead
+(benchmarks/prior_caches.py): cacheseek (CacheSeek's rule: the nearest prompt at cosine >= --cacheseek-threshold
+skips the first 10 % of the steps), redi (ReDi's rule: the nearest trajectory after the probe steps within
+--redi-threshold resumes at a later step) and comfyui_cache (ComfyUI's execution cache: the previous request again,
+within one session, costs nothing).
 
     python benchmarks/trace.py --requests 50 --out /tmp/trace.json                      # quick CPU run
     python benchmarks/trace.py --device cuda --jobs 16 --out $OUT/trace.json             # 1,000 requests per habit

@@ -100,6 +100,11 @@ def host_budget(available: int, cached: int) -> int:
     return int(HOST_SHARE * (available + cached))
 
 
+def _no_host_memory(detail: str) -> RegionFallback:
+    note = "not enough host memory to keep the other tokens' keys and values"
+    return RegionFallback(note, f"{note} ({detail}); whole-clip resume")
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> Optional[object]:
     """dst.copy_(src) after the work queued so far; on a CUDA side stream, returning its event (None: done)."""
     if stream is None:
@@ -174,10 +179,8 @@ class KeptKeysValues:
             self._host_budget = host_budget(self.memory.host_available(),
                                             KeptKeysValues.pinned_high_water if pinning else 0)
         if self._kept_bytes + need > self._host_budget:
-            return RegionFallback("not enough host memory to keep the other tokens' keys and values",
-                                  f"not enough host memory to keep the other tokens' keys and values (more than "
-                                  f"{self._host_budget / GIB:.2f} GiB, {HOST_SHARE:.0%} of what the host has "
-                                  "available); whole-clip resume")
+            return _no_host_memory(f"more than {self._host_budget / GIB:.2f} GiB, {HOST_SHARE:.0%} of what the host "
+                                   "has available")
         if not pinning:
             self._kept_bytes += need
             self._keep(key, (k.detach().clone(), v.detach().clone()))
@@ -185,10 +188,7 @@ class KeptKeysValues:
         try:
             held = tuple(torch.empty(k.shape, dtype=k.dtype, pin_memory=True) for _ in range(2))
         except RuntimeError as error:      # the host would not pin more (its memory, a container's limit)
-            return RegionFallback("not enough host memory to keep the other tokens' keys and values",
-                                  f"not enough host memory to keep the other tokens' keys and values (pinning "
-                                  f"{need / GIB:.2f} GiB more failed: {str(error).splitlines()[0][:120]}); "
-                                  "whole-clip resume")
+            return _no_host_memory(f"pinning {need / GIB:.2f} GiB more failed: {str(error).splitlines()[0][:120]}")
         self._kept_bytes += need
         KeptKeysValues.pinned_high_water = max(KeptKeysValues.pinned_high_water, self._kept_bytes)
         if self._stream is None:
