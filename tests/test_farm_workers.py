@@ -48,11 +48,14 @@ def _sharing_worker(url: str, blobs: str, index: int, answers) -> None:
     store.close()
 
 
-def _writer(url: str, blobs: str, answers) -> None:
+def _writer(url: str, blobs: str, go_ahead, answers) -> None:
+    """Acknowledges each entry, then waits for the test's go-ahead before the next write: never more than one write
+    ahead of the test, however loaded the machine."""
     torch.set_num_threads(1)
     store = CarnatorStore(url, 1 << 40, blob_dir=blobs)
     for seed in range(10_000):
         answers.put((_put(store, seed, 4 << 20), seed))   # 8 MB blobs: a write takes a while
+        go_ahead.get()
 
 
 def _full_writer(url: str, blobs: str, inject: bool, answers) -> None:
@@ -156,9 +159,14 @@ def test_four_workers_share_their_entries_and_lose_nothing(redis_server, tmp_pat
 def test_kill_9_of_a_worker_mid_write_and_of_redis_lose_nothing_acknowledged(redis_server, tmp_path, monkeypatch):
     blobs = tmp_path / "blobs"
     planted = _marked_folder(redis_server, blobs)
-    writer, answers = _run(_writer, redis_server.url, str(blobs))
-    acknowledged = dict(answers.get(timeout=120) for _ in range(4))
-    time.sleep(0.05)                  # into the fifth write
+    go_ahead = FORK.Queue()
+    writer, answers = _run(_writer, redis_server.url, str(blobs), go_ahead)
+    acknowledged = {}
+    for _ in range(4):
+        entry, seed = answers.get(timeout=120)
+        acknowledged[entry] = seed
+        go_ahead.put(None)
+    time.sleep(0.05)                  # into the fifth write (or before it: at most one more entry either way)
     os.kill(writer.pid, signal.SIGKILL)
     writer.join()
     assert writer.exitcode == -signal.SIGKILL
