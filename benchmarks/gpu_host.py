@@ -2,8 +2,8 @@
 """What the GPU benchmarks share: the host (ComfyUI found and imported), a Wan2.1-architecture model of a
 preset size, the timers, the plain and Carnator sampling paths they compare, and the ideal-speedup formula.
 
-Each GPU benchmark script (gpu_compose, gpu_backbones, few_step, gate_transfer, miss_profile, write_back,
-attention_kernels) imports from here; gate_transfer and few_step also build their models with gpu_backbones."""
+Each GPU benchmark script (gpu_compose, gpu_backbones, few_step, gate_transfer, miss_profile, region_profile,
+write_back, attention_kernels) imports from here; gate_transfer and few_step also build their models with gpu_backbones."""
 from __future__ import annotations
 
 import argparse

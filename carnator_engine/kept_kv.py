@@ -9,6 +9,11 @@ decides, from the memory the host reports, which blocks go back to the GPU for t
 streamed: copied into one of two GPU buffers on a side CUDA stream while the block before them computes (what block
 swap does for weights). When not even two buffers fit, the region-only resume falls back to whole-clip resume and
 says why. On the CPU the host memory is the device's: the tensors stay where they are.
+
+Kept tensors keep the memory order the model made them in (a [B, L, heads x D] projection seen as [B, heads, L, D]):
+the host's attention then reads them as it reads its own, without a copy per block. With `eight_bit`
+(CarnatorConfig.region_kv_8bit) each is kept as int8 with one float32 scale per row (a token of a head): half the host
+memory, the pinning and the bytes streamed per region step, dequantized on the device block by block.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ RESERVE = 256 << 20      # device bytes the plan never counts on: the allocator'
 # offloading models, block swap) keeps the rest. Pinned memory stays locked in torch's cache after a run, for the
 # next run to reuse.
 HOST_SHARE = 0.5
+# Elements quantized at once: bounds the float32 temporaries of a capture (16 MiB) beside a full step's activations.
+QUANTIZE_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -65,18 +72,22 @@ class TorchMemory:
             return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def placement(order: list, sizes: dict, reading: MemoryReading, share: float, margin: float) -> tuple:
+def placement(order: list, sizes: dict, reading: MemoryReading, share: float, margin: float,
+              working: Optional[int] = None) -> tuple:
     """(keys resident on the device, None) or (None, why not even streaming fits).
 
     The region steps may take the device up to what this process already needed (its high-water mark, a full step's
     peak) plus `margin` of it, and never beyond what the host reports free. Out of that come the region step's own
-    activations (its token `share` of a full step's) and, when any block is streamed, two stream buffers and the
-    attention's copy of one block's keys and values; the rest holds resident blocks in capture order."""
+    activations (its token `share` of a full step's), `working`: what one block's attention holds beside the kept
+    ones (the attention's copy of its keys and values, and their dequantized form when they are kept in 8 bits;
+    the largest block's size by default) and, when any block is streamed, two stream buffers; the rest holds
+    resident blocks in capture order."""
     total = sum(sizes.values())
     largest = max(sizes.values())
     ceiling = min(reading.high_water * (1 + margin), reading.in_use + reading.free - RESERVE)
     activations = share * max(0, reading.high_water - reading.in_use)
-    room = ceiling - reading.in_use - activations - largest      # the attention's own copy of one block's keys
+    working = largest if working is None else working
+    room = ceiling - reading.in_use - activations - working
     if total <= room:
         return set(order), None
     stream = 2 * largest
@@ -84,7 +95,7 @@ def placement(order: list, sizes: dict, reading: MemoryReading, share: float, ma
         return None, RegionFallback(
             "not enough GPU memory for region-only resume",
             f"not enough GPU memory for region-only resume: streaming the kept keys and values needs "
-            f"{(stream + largest) / GIB:.2f} GiB beside the model, {max(0.0, room + largest) / GIB:.2f} GiB is left "
+            f"{(stream + working) / GIB:.2f} GiB beside the model, {max(0.0, room + working) / GIB:.2f} GiB is left "
             "within the memory this request already used; whole-clip resume")
     resident, used = set(), stream
     for key in order:
@@ -121,28 +132,72 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> Optional[object]:
     return event
 
 
+def empty_in_layout(like: torch.Tensor, dtype: Optional[torch.dtype] = None, device=None,
+                    pin_memory: bool = False) -> torch.Tensor:
+    """An empty tensor of `like`'s shape whose memory order is `like`'s (dimensions by stride, outermost first), on
+    `device` (the host by default), pinned with `pin_memory`: a copy between the two is one contiguous transfer, and a
+    [B, L, heads x D] projection seen as [B, heads, L, D] stays viewable as [B, L, heads x D]."""
+    order = sorted(range(like.dim()), key=lambda dim: -like.stride(dim))    # stable: ties keep their order
+    base = torch.empty([like.shape[dim] for dim in order], dtype=dtype or like.dtype, device=device,
+                       pin_memory=pin_memory)
+    return base.permute([order.index(dim) for dim in range(like.dim())])
+
+
+def _view_in(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The first elements of the 1-D `flat`, seen in `like`'s shape and memory order (like is dense)."""
+    return flat[:like.numel()].as_strided(like.shape, like.stride())
+
+
+def quantize_rows(x: torch.Tensor) -> tuple:
+    """x [..., D] -> (int8 values in x's memory order, float32 scales [..., 1]): x ~= values x scale, one scale per
+    row (a token of a head), its largest magnitude mapped to 127. Chunked along the rows so that the float32
+    temporaries stay small beside a full step's activations."""
+    values = empty_in_layout(x, torch.int8, x.device)
+    scales = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    row_size = max(1, x[..., 0, :].numel())
+    rows = max(1, QUANTIZE_CHUNK // row_size)
+    tiny = torch.finfo(torch.float32).tiny
+    for start in range(0, x.shape[-2], rows):
+        part = x[..., start:start + rows, :].to(torch.float32, copy=True)    # divided in place below
+        scale = scales[..., start:start + rows, :]
+        torch.amax(part.abs(), dim=-1, keepdim=True, out=scale)
+        scale.div_(127).clamp_(min=tiny)
+        values[..., start:start + rows, :].copy_(part.div_(scale).round_())
+    return values, scales
+
+
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_rows' inverse, in `dtype` and `values`' memory order (computed in float32, stored as `dtype`)."""
+    out = empty_in_layout(values, dtype, values.device)
+    return torch.mul(values, scales, out=out)
+
+
 class KeptKeysValues:
     """The keys and values of one region-only run, per (block, forward): captured at full steps, fetched at region
     steps. `memory` reads the device's memory (TorchMemory by default); `margin` is the share of the process's
-    high-water mark the region steps may add."""
+    high-water mark the region steps may add; `eight_bit` keeps them as int8 with a scale per row (quantize_rows)."""
 
     # bytes of pinned host memory runs of this process have held at once: torch caches them after a run (counted as
     # in use by the host), and the next run's captures of the same sizes take them from that cache
     pinned_high_water = 0
 
-    def __init__(self, memory=None, margin: float = 0.05):
+    def __init__(self, memory=None, margin: float = 0.05, eight_bit: bool = False):
         self.memory = memory if memory is not None else TorchMemory()
         self.margin = float(margin)
+        self.eight_bit = bool(eight_bit)
         self._host_budget: Optional[int] = None   # set at the run's first capture
         self._kept_bytes = 0
-        self._held: dict = {}        # key -> (keys, values): pinned host (CUDA, streamed), the device's (resident)
+        # key -> its parts, (keys, values) or with eight_bit (keys, their scales, values, their scales): pinned host
+        # memory (CUDA, streamed) or the device's (resident)
+        self._held: dict = {}
+        self._dtype: Optional[torch.dtype] = None    # the keys' and values' own dtype (what fetch returns)
         self._order: list = []       # keys in capture order (the order region steps fetch them)
         self._resident: set = set()
         self._next: dict = {}        # key -> the streamed key fetched after it (prefetched while it computes)
         self._pending: list = []     # capture copies not yet waited for
         self._stream = None
-        # the stream buffers: flat (keys, values) on the device, as large as the largest streamed block's, so blocks
-        # that keep different numbers of rows (region_sparse_keys) share them; _views: the block each one holds
+        # the stream buffers: one flat tensor per part on the device, as large as the largest streamed block's, so
+        # blocks that keep different numbers of rows (region_sparse_keys) share them; _views: the block each one holds
         self._buffers = [None, None]
         self._views = [None, None]
         self._holds = [None, None]   # the key each buffer holds or is loading
@@ -172,8 +227,10 @@ class KeptKeysValues:
 
     def capture(self, key, k: torch.Tensor, v: torch.Tensor) -> Optional[RegionFallback]:
         """Keeps (k, v) of `key`; None or why it cannot (the host's memory): then nothing is kept."""
-        self.device = k.device
-        need = 2 * k.numel() * k.element_size()
+        self.device, self._dtype = k.device, k.dtype
+        parts = (*quantize_rows(k.detach()), *quantize_rows(v.detach())) if self.eight_bit else (k.detach(),
+                                                                                                   v.detach())
+        need = sum(part.numel() * part.element_size() for part in parts)
         pinning = k.device.type == "cuda"
         if self._host_budget is None:
             self._host_budget = host_budget(self.memory.host_available(),
@@ -183,18 +240,18 @@ class KeptKeysValues:
                                    "has available")
         if not pinning:
             self._kept_bytes += need
-            self._keep(key, (k.detach().clone(), v.detach().clone()))
+            self._keep(key, parts if self.eight_bit else tuple(part.clone() for part in parts))
             return None
         try:
-            held = tuple(torch.empty(k.shape, dtype=k.dtype, pin_memory=True) for _ in range(2))
+            held = tuple(empty_in_layout(part, pin_memory=True) for part in parts)
         except RuntimeError as error:      # the host would not pin more (its memory, a container's limit)
             return _no_host_memory(f"pinning {need / GIB:.2f} GiB more failed: {str(error).splitlines()[0][:120]}")
         self._kept_bytes += need
         KeptKeysValues.pinned_high_water = max(KeptKeysValues.pinned_high_water, self._kept_bytes)
         if self._stream is None:
             self._stream = torch.cuda.Stream(k.device)
-        self._pending += [_copy(held[0], k, self._stream), _copy(held[1], v, self._stream)]
-        while len(self._pending) > 4:       # at most two blocks' copies in flight: their sources stay allocated
+        self._pending += [_copy(dst, src, self._stream) for dst, src in zip(held, parts)]
+        while len(self._pending) > 2 * len(parts):   # two blocks' copies in flight at most: their sources stay allocated
             self._pending.pop(0).synchronize()
         self._keep(key, held)
         return None
@@ -217,14 +274,17 @@ class KeptKeysValues:
         if reading is None or not sizes:
             resident, why = set(sizes), None
         else:
-            resident, why = placement(self._order, sizes, reading, share, self.margin)
+            working = None      # 16 bits: the attention's copy of the largest block
+            if self.eight_bit:  # and its dequantized keys and values beside that copy
+                element = torch.empty((), dtype=self._dtype).element_size()
+                working = 2 * max(sum(part.numel() for part in held[::2]) for held in self._held.values()) * element
+            resident, why = placement(self._order, sizes, reading, share, self.margin, working)
         if why:
             return why
         self._resident = resident
         for key in resident:
-            keys, values = self._held[key]
-            if keys.device != self.device:
-                self._held[key] = (keys.to(self.device, non_blocking=True), values.to(self.device, non_blocking=True))
+            if self._held[key][0].device != self.device:      # .to keeps each part's memory order
+                self._held[key] = tuple(part.to(self.device, non_blocking=True) for part in self._held[key])
         streamed = [key for key in self._order if key not in resident]
         self._next = {key: next((s for s in self._order[i + 1:] + self._order[:i + 1] if s not in resident), None)
                       for i, key in enumerate(self._order)}
@@ -233,7 +293,8 @@ class KeptKeysValues:
         return None
 
     def fetch(self, key):
-        """(keys, values) of `key` on the device, ready for this step's rows to be written in; None if not kept."""
+        """(keys, values) of `key` on the device in their own dtype, ready for this step's rows to be written in (not
+        into the kept ones when they are kept in 8 bits); None if not kept."""
         held = self._held.get(key)
         if held is None:
             return None
@@ -248,19 +309,20 @@ class KeptKeysValues:
         following = self._next.get(key)
         if following is not None and following not in self._holds:
             self._load(following, 1 - self._current)
+        if self.eight_bit:
+            return dequantize_rows(out[0], out[1], self._dtype), dequantize_rows(out[2], out[3], self._dtype)
         return out
 
     def _load(self, key, index: int) -> int:
-        keys, values = self._held[key]
+        parts = self._held[key]
         flat = self._buffers[index]
-        if flat is None or flat[0].numel() < max(keys.numel(), values.numel()) or flat[0].dtype != keys.dtype:
-            size = max(t.numel() for other in [key, *self._order] if other not in self._resident
-                       for t in self._held[other])
-            flat = self._buffers[index] = (torch.empty(size, dtype=keys.dtype, device=self.device),
-                                           torch.empty(size, dtype=values.dtype, device=self.device))
-        buffer = self._views[index] = (flat[0][:keys.numel()].view(keys.shape),
-                                       flat[1][:values.numel()].view(values.shape))
+        if flat is None or any(buffer.numel() < part.numel() for buffer, part in zip(flat, parts)):
+            streamed = [self._held[other] for other in [key, *self._order] if other not in self._resident]
+            flat = self._buffers[index] = tuple(
+                torch.empty(max(held[i].numel() for held in streamed), dtype=part.dtype, device=self.device)
+                for i, part in enumerate(parts))
+        buffer = self._views[index] = tuple(_view_in(whole, part) for whole, part in zip(flat, parts))
         self._holds[index] = key
-        _copy(buffer[0], keys, self._stream)
-        self._ready[index] = _copy(buffer[1], values, self._stream)
+        for part, into in zip(parts, buffer):
+            self._ready[index] = _copy(into, part, self._stream)   # the last copy's event: the stream runs in order
         return index

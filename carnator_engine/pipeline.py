@@ -67,6 +67,9 @@ class CarnatorConfig:
     # connectivity (with sparse_attention, on an entry that has it): fewer keys kept, moved and attended to; off until
     # its GPU speed and its quality are measured
     region_sparse_keys: bool = False
+    # the kept keys and values in 8 bits, a float32 scale per row (kept_kv.quantize_rows): half the host memory,
+    # pinning and bytes streamed per region step; off until its GPU speed and its quality are measured
+    region_kv_8bit: bool = False
     max_checkpoints: int = 12
     lookup_limit: int = 3
     gate_overrides: dict = field(default_factory=dict)
@@ -108,6 +111,8 @@ class CarnatorConfig:
                              "GPU memory a request already used that region-only resume may add")
         if not isinstance(self.region_sparse_keys, bool):
             raise ValueError(f"region_sparse_keys must be True or False, got {self.region_sparse_keys!r}")
+        if not isinstance(self.region_kv_8bit, bool):
+            raise ValueError(f"region_kv_8bit must be True or False, got {self.region_kv_8bit!r}")
         if not isinstance(self.region_full_steps, int) or self.region_full_steps < 0:
             raise ValueError(f"region_full_steps={self.region_full_steps!r} must be a whole number >= 0: the last "
                              "steps of a region-only resume that run every token")

@@ -136,7 +136,8 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
         reach = reached_key_rows(payload.connectivity, tokens)
         decision = dataclasses.replace(decision, numbers={**decision.numbers,
                                                           "region_key_share": round(key_share(reach, tokens), 4)})
-    region = RegionTokens(tokens, full, getattr(runner, "memory", None), config.region_memory_margin, reach)
+    region = RegionTokens(tokens, full, getattr(runner, "memory", None), config.region_memory_margin, reach,
+                          config.region_kv_8bit)
     return decision, region, ""
 
 

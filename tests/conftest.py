@@ -29,6 +29,19 @@ def tiny_model():
     return TinyVideoDiT(TinyDiTConfig(vocabulary=WORDS, dim=64, heads=2, layers=2, text_layers=1)).eval()
 
 
+@pytest.fixture(scope="session")
+def live_tiny_model():
+    """tiny_model's architecture with its zero-initialised gates and head random too: a fresh TinyVideoDiT predicts
+    zero whatever its blocks compute, so only this one shows what a change to the attention does to a result."""
+    torch.manual_seed(0)
+    model = TinyVideoDiT(TinyDiTConfig(vocabulary=WORDS, dim=64, heads=2, layers=2, text_layers=1)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith("head.") or ".modulation." in name:
+                param.normal_(0.0, 0.05)
+    return model
+
+
 @pytest.fixture
 def store(tmp_path):
     from carnator_engine.store import CarnatorStore

@@ -63,10 +63,10 @@ def test_off_cuda_the_kept_keys_stay_where_they_are():
 
 
 @pytest.mark.parametrize("resident", [set(), {(0, 0)}])
-def test_streamed_blocks_give_the_same_hit_as_resident_ones(tiny_model, store, monkeypatch, resident):
+def test_streamed_blocks_give_the_same_hit_as_resident_ones(live_tiny_model, store, monkeypatch, resident):
     """The two-buffer stream (prefetching the next block while one attends) against every block resident: the same
     latent, with every block (or all but one) streamed."""
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     payload = store.trajectory(store.record(decision.entry_id))
     decision, _, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
     assert decision.numbers["region_only"]
@@ -86,7 +86,7 @@ def test_streamed_blocks_give_the_same_hit_as_resident_ones(tiny_model, store, m
                                                                            original(self, key, index))[1])
     streamed, region, _ = run(lambda region: None)
     assert not region.fallback and not region.missing and runner.memory.reads == 1
-    blocks = len(tiny_model.blocks)
+    blocks = len(live_tiny_model.blocks)
     assert loads and not set(loads) & resident and len({key for key in loads}) == blocks - len(resident)
     assert torch.allclose(streamed, whole, rtol=1e-5, atol=1e-5)
     numbers = resume(runner, probed, decision, store, config, PROMPT, 2).decision.numbers
@@ -145,8 +145,17 @@ def test_a_host_that_will_not_pin_more_memory_gives_a_whole_clip_reason_not_an_e
         return torch.zeros(*args, **kwargs)
     monkeypatch.setattr(torch, "empty", refuse)
     k = torch.zeros(1, 2, 8, 4)
-    on_cuda = type("CudaTensor", (), {"device": torch.device("cuda"), "shape": k.shape, "dtype": k.dtype,
-                                      "numel": k.numel, "element_size": k.element_size})()
+
+    class OnCuda:
+        """k, said to be on a CUDA device."""
+        device = torch.device("cuda")
+
+        def __getattr__(self, name):
+            return getattr(k, name)
+
+        def detach(self):
+            return self
+    on_cuda = OnCuda()
     kept = KeptKeysValues(FakeMemory())
     why = kept.capture((0, 0), on_cuda, on_cuda)
     assert why.note == "not enough host memory to keep the other tokens' keys and values"
@@ -215,14 +224,17 @@ def test_the_memory_margin_is_validated_with_the_fix():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("eight_bit", [False, True])
 @pytest.mark.parametrize("rows", [[64] * 6, [64, 40, 64, 24, 56, 16]])
-def test_on_cuda_streamed_blocks_from_pinned_memory_match_resident_ones(rows):
+def test_on_cuda_streamed_blocks_from_pinned_memory_match_resident_ones(rows, eight_bit):
     """The CUDA path: captured into pinned host memory on a side stream, every block but the first streamed through
     the two buffers while the block before attends; the same keys and values as resident ones, and nothing left
-    allocated on the device after release. Blocks of different sizes (region_sparse_keys) share the buffers."""
+    allocated on the device after release. Blocks of different sizes (region_sparse_keys) share the buffers; kept
+    in 8 bits (region_kv_8bit), each part of a block (values, scales) through a buffer of its own."""
     device = torch.device("cuda")
     blocks, step_rows = len(rows), torch.tensor([1, 4, 9], device=device)
-    captured = [torch.randn(2, 3, count, 8, device=device, dtype=torch.bfloat16) for count in rows]
+    # as a host's attention sees them: [B, heads, L, D] views of [B, L, heads x D] projections
+    captured = [torch.randn(2, count, 3, 8, device=device, dtype=torch.bfloat16).transpose(1, 2) for count in rows]
 
     def attend(store, step):
         outs = []
@@ -236,7 +248,7 @@ def test_on_cuda_streamed_blocks_from_pinned_memory_match_resident_ones(rows):
     results = []
     for streamed in (False, True):
         reading = MemoryReading(in_use=0, high_water=10 * GIB if not streamed else 0, free=100 * GIB)
-        store = KeptKeysValues(FakeMemory(reading), margin=0.0)
+        store = KeptKeysValues(FakeMemory(reading), margin=0.0, eight_bit=eight_bit)
         if streamed:
             block_bytes = 2 * captured[0].numel() * 2
             # room for the attention's copy, the two stream buffers and one resident block: the other five stream

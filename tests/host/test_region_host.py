@@ -235,3 +235,21 @@ def test_the_kept_keys_budget_reads_comfyuis_free_memory(comfy, plugin, tiny_mod
     positive, negative = conds
     runner = ComfyRunner(tiny_model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
     assert runner.memory.free(torch.device("cuda", 0)) == 123 << 20 and asked == [torch.device("cuda", 0)]
+
+
+@pytest.mark.parametrize("name", ["wan2.1", "wan2.2-5b", "hunyuan", "ltxv"])
+def test_a_region_step_with_8_bit_kept_keys_gives_the_target_nearly_the_full_steps_result(comfy, plugin, host_dirs,
+                                                                                          name):
+    """CarnatorConfig.region_kv_8bit through each backbone's host attention: the kept keys and values come back in the
+    model's dtype and memory order, within the rows' quantization error of the full step's result (not equal to it:
+    the 8 bits are used)."""
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.region import RegionTokens, latent_mask_of_tokens
+    model, (positive, negative), shape, blocks = _backbone(comfy, name, host_dirs["models"])
+    runner = ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
+    target = _corner(runner, shape)
+    full, part, _, _ = _full_then_region(runner, model, blocks, shape,
+                                         RegionTokens(target, frozenset({REGION_STEP}), eight_bit=True))
+    inside = latent_mask_of_tokens(runner.layout, target, shape[-3:])
+    error = float((part[..., inside] - full[..., inside]).abs().max())
+    assert 0 < error <= 2e-2 * max(1.0, float(full.abs().max()))

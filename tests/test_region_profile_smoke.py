@@ -1,0 +1,30 @@
+"""CPU smoke run of benchmarks/region_profile.py (the GPU benchmarks' smoke preset, one target share, every variant):
+its step clock tells the probe's full steps, the capture step and the region steps apart, and each profile holds the
+steps it was asked for; not speed."""
+from __future__ import annotations
+
+import json
+import os
+
+from benchmark_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "region_profile.py")
+
+
+def test_region_profile_smoke(tmp_path):
+    skip_without_comfyui()
+    out = tmp_path / "profile.json"
+    completed = run_smoke([SCRIPT, "--smoke", "--shares", "0.3", "--profile-steps", "2", "--device", "cpu",
+                           "--out", str(out)], TIME_LIMIT_S)
+    report = json.loads(out.read_text())
+    steps, probe, k = (report["config"][key] for key in ("steps", "probe", "resume"))
+    assert report["miss"]["profile_full"]["steps"] == 1 and report["miss"]["full_step_s"] > 0
+    assert set(report["cases"]) == {"region hit 30% streamed", "region hit 30% resident", "region hit 30% 8-bit"}
+    for case in report["cases"].values():
+        assert case["region_only"]
+        kinds = case["step_s"]
+        # the probe's steps and step k run every token, then the region steps, then the last full step (the seam)
+        assert kinds["full"]["count"] == probe + 2 and kinds["region"]["count"] == steps - k - 2
+        profile = case["profile_region"]
+        assert profile["steps"] == 2 and profile["top_ops"] and profile["wall_s_per_step"] > 0
+    assert "top ops by self CPU" in completed.stdout
