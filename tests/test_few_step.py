@@ -35,61 +35,63 @@ def test_few_step_schedules_probe_one_step_and_keep_the_steps_a_hit_resumes_at()
     assert [furthest_resume(policy_for("balanced"), n) for n in (4, 6, 8)] == [3, 4, 6]
 
 
-def test_a_miss_at_4_steps_is_plain_sampling(tiny_model, store):
+def test_a_miss_at_4_steps_is_plain_sampling(live_tiny_model, store):
     sigmas = flow_sigmas(4)
-    plain = TinyDiTRunner(tiny_model, PROMPT).run(_noise(1) * float(sigmas[0]), sigmas, 0, 4, GenerationObserver())
-    miss = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), sigmas, store, _config(4), PROMPT, 1)
+    plain = TinyDiTRunner(live_tiny_model, PROMPT).run(_noise(1) * float(sigmas[0]), sigmas, 0, 4, GenerationObserver())
+    miss = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), sigmas, store, _config(4), PROMPT, 1)
     assert not miss.decision.reuse and miss.model_calls == 4 and miss.entry_id
     torch.testing.assert_close(miss.latent, plain, atol=0, rtol=0)
-    repeat = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), sigmas, store, _config(4), PROMPT, 1)
+    repeat = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), sigmas, store, _config(4), PROMPT, 1)
     assert repeat.decision.exact_repeat and repeat.model_calls == 0
     torch.testing.assert_close(repeat.latent, miss.latent)
 
 
 @pytest.mark.parametrize("steps", [4, 6, 8])
 @pytest.mark.parametrize("risk", ["safe", "balanced"])
-def test_safe_and_balanced_do_not_reuse_at_few_steps_and_say_why(tiny_model, store, steps, risk):
-    first = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store, _config(steps, risk=risk),
-                     PROMPT, 1)
-    refused = _near_repeat(tiny_model, store, steps, risk=risk)
+def test_safe_and_balanced_do_not_reuse_at_few_steps_and_say_why(live_tiny_model, store, steps, risk):
+    first = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store,
+                     _config(steps, risk=risk), PROMPT, 1)
+    refused = _near_repeat(live_tiny_model, store, steps, risk=risk)
     assert not refused.decision.reuse and refused.model_calls == steps
     assert refused.decision.reasons[0].startswith(f"no reuse at {steps} steps at this risk level")
     assert "risk 'aggressive' reuses here" in refused.decision.reasons[0]
-    repeat = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store,
+    repeat = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store,
                       _config(steps, risk=risk), PROMPT, 1)
     assert repeat.decision.exact_repeat and repeat.model_calls == 0      # an exact repeat is still answered
     torch.testing.assert_close(repeat.latent, first.latent)
 
 
 @pytest.mark.parametrize("risk, records", [("balanced", False), ("aggressive", True)])
-def test_a_few_step_miss_records_attention_connectivity_only_where_its_level_reuses(tiny_model, store, risk, records):
-    miss = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(4), store, _config(4, risk=risk),
+def test_a_few_step_miss_records_attention_connectivity_only_where_its_level_reuses(live_tiny_model, store, risk,
+                                                                                   records):
+    miss = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), flow_sigmas(4), store, _config(4, risk=risk),
                     PROMPT, 1)
     payload = store.trajectory(store.record(miss.entry_id))
     assert bool(payload.connectivity) == records and sorted(payload.checkpoints) == [2, 3]
     assert payload.final is not None                                     # an exact repeat is answered either way
 
 
-def test_the_few_step_refusal_is_for_few_steps_only(tiny_model, store):
-    generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(20), store, _config(20), PROMPT, 1)
-    near = _near_repeat(tiny_model, store, 20)
+def test_the_few_step_refusal_is_for_few_steps_only(live_tiny_model, store):
+    generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), flow_sigmas(20), store, _config(20), PROMPT, 1)
+    near = _near_repeat(live_tiny_model, store, 20)
     assert near.decision.reuse, near.decision.reasons
 
 
 @pytest.mark.parametrize("steps, resume_step, calls", [(4, 3, 2), (6, 4, 3), (8, 6, 3)])
-def test_a_near_repeat_at_few_steps_is_a_hit_that_pays_at_risk_aggressive(tiny_model, store, steps, resume_step, calls):
-    first = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store,
+def test_a_near_repeat_at_few_steps_is_a_hit_that_pays_at_risk_aggressive(live_tiny_model, store, steps, resume_step,
+                                                                          calls):
+    first = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store,
                      _config(steps, risk="aggressive"), PROMPT, 1)
-    hit = _near_repeat(tiny_model, store, steps, risk="aggressive")
+    hit = _near_repeat(live_tiny_model, store, steps, risk="aggressive")
     assert hit.decision.reuse and hit.decision.entry_id == first.entry_id, hit.decision.reasons
     assert hit.decision.resume_step == resume_step and hit.decision.refine_step is None
     assert hit.model_calls == calls == 1 + steps - resume_step
     torch.testing.assert_close(hit.latent, first.latent, atol=2e-2, rtol=0)
 
 
-def test_where_reuse_cannot_pay_at_4_steps_the_gate_says_so(tiny_model, store):
-    generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(4), store, _config(4), PROMPT, 1)
-    refused = _near_repeat(tiny_model, store, 4, risk="aggressive",     # resumes at most at step 2 of 4
+def test_where_reuse_cannot_pay_at_4_steps_the_gate_says_so(live_tiny_model, store):
+    generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), flow_sigmas(4), store, _config(4), PROMPT, 1)
+    refused = _near_repeat(live_tiny_model, store, 4, risk="aggressive",     # resumes at most at step 2 of 4
                            gate_overrides={"few_step_resume_fraction": 0.6})
     assert not refused.decision.reuse and refused.model_calls == 4
     assert any("reuse cannot pay here" in reason for reason in refused.decision.reasons), refused.decision.reasons
@@ -103,13 +105,13 @@ def test_where_reuse_cannot_pay_at_4_steps_the_gate_says_so(tiny_model, store):
     (30, CarnatorConfig(probe_steps=3, gate_overrides={"max_resume_fraction": 1.0}),
      "max_resume_fraction=1.0 is outside \\(0, 1\\): at 1 or more"),
 ])
-def test_bad_few_step_inputs_are_refused_and_nothing_is_stored(tiny_model, store, steps, config, message):
+def test_bad_few_step_inputs_are_refused_and_nothing_is_stored(live_tiny_model, store, steps, config, message):
     with pytest.raises(ValueError, match=message):
-        generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store, config, PROMPT, 1)
+        generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), flow_sigmas(steps), store, config, PROMPT, 1)
     assert store.records() == []
 
 
 @pytest.mark.parametrize("guidance", [0.0, -1.0])
-def test_guidance_below_one_is_refused(tiny_model, guidance):
+def test_guidance_below_one_is_refused(live_tiny_model, guidance):
     with pytest.raises(ValueError, match="guidance_scale must be >= 1"):
-        TinyDiTRunner(tiny_model, PROMPT, guidance_scale=guidance)
+        TinyDiTRunner(live_tiny_model, PROMPT, guidance_scale=guidance)

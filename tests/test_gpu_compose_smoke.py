@@ -1,6 +1,7 @@
 """CPU smoke run of benchmarks/gpu_compose.py (the GPU benchmarks' smoke preset, cfg 1 only, one EasyCache threshold,
-one region-only target share, with and without sparse keys, in 16 and 8 bits): the script's plumbing and the composition it reports
-(a Carnator miss with EasyCache equals EasyCache alone, with the same model calls), not speed."""
+one region-only target share, with and without sparse keys, in 16 and 8 bits): the script's plumbing and the
+composition it reports (a Carnator miss with EasyCache equals EasyCache alone, with the same model calls), not
+speed."""
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ def test_gpu_compose_smoke(tmp_path):
     skip_without_comfyui()
     out = tmp_path / "compose.json"
     completed = run_smoke([SCRIPT, "--smoke", "--skip-cfg5", "--easycache-thresholds", "0.1", "--region-shares", "0.3",
-                           "--region-sparse-shares", "0.3", "--region-8bit-shares", "0.3", "--device", "cpu", "--out", str(out),
-                           "--store-dir", str(tmp_path)], TIME_LIMIT_S)
+                           "--region-sparse-shares", "0.3", "--region-8bit-shares", "0.3", "--device", "cpu",
+                           "--out", str(out), "--store-dir", str(tmp_path)], TIME_LIMIT_S)
     report = json.loads(out.read_text())
     cases = report["cases"]
     assert set(cases) == {"plain", "easycache", "miss", "hit", "miss+easycache", "hit+easycache", "region hit 30%",

@@ -100,8 +100,8 @@ def _whole_clip(runner, probed, decision, payload, config):
     return resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver())
 
 
-def test_a_hit_whose_kept_keys_do_not_fit_even_streamed_resumes_whole_clip_with_the_reason(tiny_model, store):
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+def test_a_hit_whose_kept_keys_do_not_fit_even_streamed_resumes_whole_clip_with_the_reason(live_tiny_model, store):
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     whole = _whole_clip(runner, probed, decision, store.trajectory(store.record(decision.entry_id)), config)
     runner.memory = FakeMemory(reading=MemoryReading(in_use=GIB, high_water=GIB, free=0))
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
@@ -113,8 +113,8 @@ def test_a_hit_whose_kept_keys_do_not_fit_even_streamed_resumes_whole_clip_with_
     assert torch.allclose(result.latent, whole, rtol=1e-5, atol=1e-5)
 
 
-def test_a_hit_without_host_memory_for_the_kept_keys_resumes_whole_clip(tiny_model, store):
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+def test_a_hit_without_host_memory_for_the_kept_keys_resumes_whole_clip(live_tiny_model, store):
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     runner.memory = FakeMemory(host=0)
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     assert result.decision.numbers["region_only"] is False
@@ -167,10 +167,11 @@ class Cancelled(Exception):
 
 
 @pytest.mark.parametrize("fault", ["out of memory", "a fault of the region path", "a cancel"])
-def test_a_region_step_that_fails_resumes_the_whole_clip_from_the_resume_step(tiny_model, store, monkeypatch, fault):
+def test_a_region_step_that_fails_resumes_the_whole_clip_from_the_resume_step(live_tiny_model, store, monkeypatch,
+                                                                             fault):
     """Never a failed request: out of GPU memory, or any other error of the region steps (said as a warning too),
     the hit resumes the whole clip from step k; a cancel goes through."""
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     whole = _whole_clip(runner, probed, decision, store.trajectory(store.record(decision.entry_id)), config)
     original = type(runner).run
     error = {"out of memory": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore"),
@@ -201,8 +202,8 @@ def test_a_region_step_that_fails_resumes_the_whole_clip_from_the_resume_step(ti
         assert d.region == "whole clip: region-only resume failed"
 
 
-def test_the_kept_keys_are_freed_before_the_last_full_steps(tiny_model, store, monkeypatch):
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+def test_the_kept_keys_are_freed_before_the_last_full_steps(live_tiny_model, store, monkeypatch):
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     held = []
     original = type(runner).run
 
@@ -264,8 +265,8 @@ def test_on_cuda_streamed_blocks_from_pinned_memory_match_resident_ones(rows, ei
 
 
 def test_a_model_compiled_with_static_shapes_resumes_whole_clip_in_a_short_note_with_the_fix_in_the_reasons(
-        tiny_model, store):
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+        live_tiny_model, store):
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     runner.region_only_unfit = region_only_unfit({"dynamic": False})
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     d = result.decision

@@ -23,8 +23,8 @@ def _config(**kwargs):
     return CarnatorConfig(probe_steps=2, block_size=64, **kwargs)
 
 
-def test_a_candidate_whose_latent_shape_differs_is_a_full_generation_with_a_warning(tiny_model, store):
-    first = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), SIGMAS, store, _config(), PROMPT, 1)
+def test_a_candidate_whose_latent_shape_differs_is_a_full_generation_with_a_warning(live_tiny_model, store):
+    first = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), SIGMAS, store, _config(), PROMPT, 1)
     record = store.record(first.entry_id)
     payload = store.trajectory(record)
     halved = {step: latent[..., ::2, ::2].contiguous() for step, latent in payload.checkpoints.items()}
@@ -32,19 +32,20 @@ def test_a_candidate_whose_latent_shape_differs_is_a_full_generation_with_a_warn
                     signature=store.signature(record), payload=TrajectoryPayload(halved, {}),
                     latent_shape=next(iter(halved.values())).shape)
     store.delete(first.entry_id)
-    result = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1, nudge=1e-4), SIGMAS, store, _config(), PROMPT, 1)
+    result = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1, nudge=1e-4), SIGMAS, store, _config(), PROMPT,
+                      1)
     assert not result.decision.reuse and result.model_calls == 12
     assert any(odd in w and "shape" in w and "generated in full" in w for w in result.warnings)
     assert result.latent.shape == _noise(1).shape
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
-def test_noise_that_is_not_floating_point_is_refused_before_anything_runs(tiny_model, store, dtype):
+def test_noise_that_is_not_floating_point_is_refused_before_anything_runs(live_tiny_model, store, dtype):
     noise = _noise(1).to(dtype)
     with pytest.raises(ValueError, match=f"noise are a dtype {dtype}, not a floating-point tensor"):
-        generate(TinyDiTRunner(tiny_model, PROMPT), noise, SIGMAS, store, _config())
+        generate(TinyDiTRunner(live_tiny_model, PROMPT), noise, SIGMAS, store, _config())
     with pytest.raises(ValueError, match="not a floating-point tensor"):
-        probe(TinyDiTRunner(tiny_model, PROMPT), noise, SIGMAS, _config())
+        probe(TinyDiTRunner(live_tiny_model, PROMPT), noise, SIGMAS, _config())
     assert store.stats()["entries"] == 0
 
 
@@ -92,26 +93,26 @@ OTHER_SETTINGS = {"gate risk": dict(gate=dict(risk="safe")),
 
 
 @pytest.mark.parametrize("settings", OTHER_SETTINGS.values(), ids=OTHER_SETTINGS.keys())
-def test_a_staged_request_is_never_served_a_hit_made_with_other_reuse_settings(tiny_model, store, settings):
+def test_a_staged_request_is_never_served_a_hit_made_with_other_reuse_settings(live_tiny_model, store, settings):
     """A hit stored by generate (default settings) is replayed for the same request through the staged chain only
     when every stage's settings are the same: the Early Probe knows none of the later stages' settings."""
-    generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), SIGMAS, store, _config(), PROMPT, 1)
-    hit = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1, 1e-4), SIGMAS, store, _config(), PROMPT, 1)
+    generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), SIGMAS, store, _config(), PROMPT, 1)
+    hit = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1, 1e-4), SIGMAS, store, _config(), PROMPT, 1)
     assert hit.decision.reuse and not hit.decision.exact_repeat and hit.entry_id
-    other = _staged(tiny_model, store, 1e-4, **settings)
+    other = _staged(live_tiny_model, store, 1e-4, **settings)
     assert not other.decision.exact_repeat and other.model_calls > 2 and other.entry_id
     # the same settings in the other graph shape replay it: the key is the same in both
     config = dataclasses.replace(_config(lookup_limit=settings.get("limit", 3)), **settings.get("gate", {}),
                                  **settings.get("resume_with", {}))
-    again = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1, 1e-4), SIGMAS, store, config, PROMPT, 1)
+    again = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1, 1e-4), SIGMAS, store, config, PROMPT, 1)
     assert again.decision.exact_repeat and again.decision.entry_id == other.entry_id and again.model_calls == 0
     assert torch.equal(again.latent, other.latent)
 
 
-def test_a_hit_is_replayed_through_the_staged_chain_with_the_same_settings_at_its_resume(tiny_model, store):
-    generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1), SIGMAS, store, _config(), PROMPT, 1)
-    hit = generate(TinyDiTRunner(tiny_model, PROMPT), _noise(1, 1e-4), SIGMAS, store, _config(), PROMPT, 1)
-    again = _staged(tiny_model, store, 1e-4, gate=dict(gate_overrides=dict(refine_target=True)))  # the preset's
+def test_a_hit_is_replayed_through_the_staged_chain_with_the_same_settings_at_its_resume(live_tiny_model, store):
+    generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1), SIGMAS, store, _config(), PROMPT, 1)
+    hit = generate(TinyDiTRunner(live_tiny_model, PROMPT), _noise(1, 1e-4), SIGMAS, store, _config(), PROMPT, 1)
+    again = _staged(live_tiny_model, store, 1e-4, gate=dict(gate_overrides=dict(refine_target=True)))  # the preset's
     assert again.decision.exact_repeat and again.decision.entry_id == hit.entry_id
     assert again.model_calls == 2 and torch.equal(again.latent, hit.latent)   # the probe's calls, nothing more
     assert again.entry_id is None and len(store.records()) == 2

@@ -48,8 +48,8 @@ def _block_rows(model):
     return rows, handle
 
 
-def test_region_only_equals_whole_clip_resume_when_the_target_is_the_whole_clip(tiny_model, store):
-    runner, probed, decision, config = _hit(tiny_model, store)
+def test_region_only_equals_whole_clip_resume_when_the_target_is_the_whole_clip(live_tiny_model, store):
+    runner, probed, decision, config = _hit(live_tiny_model, store)
     decision = dataclasses.replace(decision, target_cells=torch.ones_like(decision.target_cells))
     payload = store.trajectory(store.record(decision.entry_id))
     whole = resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver())
@@ -61,9 +61,9 @@ def test_region_only_equals_whole_clip_resume_when_the_target_is_the_whole_clip(
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_only_the_target_tokens_go_through_the_blocks_and_attend_to_the_whole_clip(tiny_model, store, monkeypatch,
+def test_only_the_target_tokens_go_through_the_blocks_and_attend_to_the_whole_clip(live_tiny_model, store, monkeypatch,
                                                                                    guidance):
-    runner, probed, decision, config = _hit(tiny_model, store, guidance=guidance, region_only=True,
+    runner, probed, decision, config = _hit(live_tiny_model, store, guidance=guidance, region_only=True,
                                             region_max_share=1.0, region_full_steps=1)
     seen = []
     original = RegionTokens.attention_inputs
@@ -73,7 +73,7 @@ def test_only_the_target_tokens_go_through_the_blocks_and_attend_to_the_whole_cl
         seen.append((self.active, int(q.shape[0]), int(q.shape[2]), int(k2.shape[2])))
         return k2, v2
     monkeypatch.setattr(RegionTokens, "attention_inputs", attention_inputs)
-    rows, handle = _block_rows(tiny_model)
+    rows, handle = _block_rows(live_tiny_model)
     try:
         result = resume(runner, probed, decision, GenerationStoreView(store), config, PROMPT, 2)
     finally:
@@ -89,18 +89,18 @@ def test_only_the_target_tokens_go_through_the_blocks_and_attend_to_the_whole_cl
     assert rows == [length] * (m is not None) + [length] + [kept] * region_steps + [length]
     batch = 2 if guidance != 1.0 else 1
     region_attention = [s for s in seen if s[0]]
-    assert len(region_attention) == region_steps * len(tiny_model.blocks)
+    assert len(region_attention) == region_steps * len(live_tiny_model.blocks)
     assert all(s == (True, batch, kept, length) for s in region_attention)     # target queries, every key
     assert result.model_calls == probed.model_calls + (m is not None) + STEPS - k and not result.warnings
     assert torch.isfinite(result.latent).all()
     assert torch.equal(store.trajectory(store.record(result.entry_id)).final, result.latent.cpu())
 
 
-def test_a_region_only_hit_keeps_no_checkpoint_of_its_region_steps(tiny_model, store):
+def test_a_region_only_hit_keeps_no_checkpoint_of_its_region_steps(live_tiny_model, store):
     """Outside the target, the sampler's latent in a region step is not the clip: a later hit must never resume
     from it. The joined latent entering the last full step is kept."""
     from carnator_engine.observer import CheckpointRecorder
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     payload = store.trajectory(store.record(decision.entry_id))
     decision, region, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
     assert region is not None
@@ -129,8 +129,8 @@ class GenerationStoreView:
     (lambda p: dataclasses.replace(p, final=None), "holds no final latent"),
     (lambda p: dataclasses.replace(p, final=p.final[:, :, :4]), "holds a final latent of shape"),
 ])
-def test_an_entry_without_a_usable_final_latent_resumes_whole_clip_with_a_warning(tiny_model, store, damage, why):
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+def test_an_entry_without_a_usable_final_latent_resumes_whole_clip_with_a_warning(live_tiny_model, store, damage, why):
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     result = resume(runner, probed, decision, GenerationStoreView(store, damage), config, PROMPT, 2)
     assert result.decision.reuse and not result.decision.numbers.get("region_only")
     assert any(why in r and "whole-clip resume" in r for r in result.decision.reasons)
@@ -139,24 +139,24 @@ def test_an_entry_without_a_usable_final_latent_resumes_whole_clip_with_a_warnin
         STEPS - result.decision.resume_step
 
 
-def test_a_target_over_the_limit_resumes_whole_clip_with_the_reason(tiny_model, store):
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=0.01)
+def test_a_target_over_the_limit_resumes_whole_clip_with_the_reason(live_tiny_model, store):
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=0.01)
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     assert result.decision.reuse and result.decision.numbers["region_only"] is False
     assert any("over the region-only limit of 1%: whole-clip resume" in r for r in result.decision.reasons)
     assert not result.warnings
 
 
-def test_region_only_that_would_save_too_little_resumes_whole_clip(tiny_model, store):
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0,
+def test_region_only_that_would_save_too_little_resumes_whole_clip(live_tiny_model, store):
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0,
                                             region_full_steps=STEPS)
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     assert result.decision.reuse and result.decision.numbers["region_only"] is False
     assert any("region-only saves under 10 % here, whole-clip resume" in r for r in result.decision.reasons)
 
 
-def test_a_region_only_hit_whose_entry_is_gone_is_a_full_generation(tiny_model, store):
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+def test_a_region_only_hit_whose_entry_is_gone_is_a_full_generation(live_tiny_model, store):
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     store.delete(decision.entry_id)
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     assert not result.decision.reuse and result.model_calls == STEPS
@@ -213,8 +213,8 @@ def test_the_low_noise_experts_first_step_is_a_full_step():
     assert resume_stage._full_steps(object(), decision, config) == {6}
 
 
-def test_token_masks_map_back_to_the_latent_cells_they_carry(tiny_model):
-    layout = tiny_model.layout
+def test_token_masks_map_back_to_the_latent_cells_they_carry(live_tiny_model):
+    layout = live_tiny_model.layout
     mask = torch.zeros(8, 32, 32, dtype=torch.bool)
     mask[3, 9, 9] = True
     tokens = target_tokens(layout, mask, (0, 0, 0))
@@ -224,8 +224,8 @@ def test_token_masks_map_back_to_the_latent_cells_they_carry(tiny_model):
     assert target_tokens(layout, mask, (1, 1, 1)).sum() == 27
 
 
-def test_a_hit_on_a_local_change_resumes_region_only_by_default(tiny_model, store):
-    runner, probed, decision, _ = _hit(tiny_model, store)                   # a corner of the clip changed
+def test_a_hit_on_a_local_change_resumes_region_only_by_default(live_tiny_model, store):
+    runner, probed, decision, _ = _hit(live_tiny_model, store)                   # a corner of the clip changed
     result = resume(runner, probed, decision, store, _config(), PROMPT, 2)  # every reuse setting at its default
     assert result.decision.numbers["region_only"] is True
     assert 0 < result.decision.numbers["region_share"] <= CarnatorConfig().region_max_share
@@ -236,8 +236,8 @@ def test_the_region_setting_is_part_of_a_hits_replay_key():
     assert hit_replay_key("k", CarnatorConfig()) != hit_replay_key("k", CarnatorConfig(region_only=False))
 
 
-def test_a_hit_with_no_target_tokens_resumes_whole_clip(tiny_model, store):
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+def test_a_hit_with_no_target_tokens_resumes_whole_clip(live_tiny_model, store):
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     decision = dataclasses.replace(decision, target_cells=torch.zeros_like(decision.target_cells), refine_step=None,
                                    cell_map=torch.zeros_like(decision.cell_map))
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
@@ -245,10 +245,10 @@ def test_a_hit_with_no_target_tokens_resumes_whole_clip(tiny_model, store):
     assert any("no target tokens" in r and "whole-clip resume" in r for r in result.decision.reasons)
 
 
-def test_a_step_cache_starts_afresh_after_the_region_steps(tiny_model, store, monkeypatch):
+def test_a_step_cache_starts_afresh_after_the_region_steps(live_tiny_model, store, monkeypatch):
     """EasyCache's state after region steps holds changes of the target tokens alone: the full steps after them must
     not skip with it (ComfyRunner.fresh_step_cache drops the state carried from run to run)."""
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     events = []
     original = TinyDiTRunner.run
     monkeypatch.setattr(TinyDiTRunner, "run", lambda self, x, sigmas, start, end, observer: (
@@ -274,10 +274,10 @@ def test_the_region_target_holds_most_of_the_difference_whatever_the_models_scal
         CarnatorConfig(region_target_mass=1.5).validate(10)
 
 
-def test_the_region_joins_the_gates_cells_and_the_difference_on_any_grid(tiny_model, store):
+def test_the_region_joins_the_gates_cells_and_the_difference_on_any_grid(live_tiny_model, store):
     """The gate's target may come over the latent itself (a benchmark forces one) while the difference is on the
     signature's coarse grid: the region joins them over the latent."""
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     payload = store.trajectory(store.record(decision.entry_id))
     fhw = tuple(probed.latent.shape[-3:])
     corner = torch.zeros(fhw, dtype=torch.bool)                   # over the latent: (8, 32, 32)
@@ -292,11 +292,11 @@ def test_the_region_joins_the_gates_cells_and_the_difference_on_any_grid(tiny_mo
     assert not planned.target_cells[:, 12:20, 12:20].any()
 
 
-def test_the_node_says_how_a_hit_resumed_and_what_it_expects(tiny_model, store):
+def test_the_node_says_how_a_hit_resumed_and_what_it_expects(live_tiny_model, store):
     """'HIT ..., region-only on X% of the clip, ... expected Y x' with the region-only estimate, or why the whole clip
     was resumed; the whole-clip estimate only when the whole clip ran."""
     from nodes.inputs import summary_text
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0)
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     summary = result.decision.summary()
     share, expected = result.decision.numbers["region_share"], result.decision.numbers["region_expected_speedup"]

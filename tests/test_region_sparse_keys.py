@@ -101,12 +101,13 @@ def test_a_region_steps_attention_is_the_attention_masked_to_the_reached_blocks(
     assert held.shape[2] == (len(rows) if not text else length + text)    # without text rows: the reached rows alone
 
 
-def _crafted_hit(tiny_model, store, **kwargs):
+def _crafted_hit(live_tiny_model, store, **kwargs):
     """A region-only hit whose entry's connectivity is sink_tables: (runner, probed, decision, payload, config)."""
-    runner, probed, decision, config = _hit(tiny_model, store, region_only=True, region_max_share=1.0, **kwargs)
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0, **kwargs)
     payload = store.trajectory(store.record(decision.entry_id))
     tokens = 8 * 8 * 8
-    payload = dataclasses.replace(payload, connectivity=sink_tables(tokens // BLOCK, range(len(tiny_model.blocks))))
+    tables = sink_tables(tokens // BLOCK, range(len(live_tiny_model.blocks)))
+    payload = dataclasses.replace(payload, connectivity=tables)
     return runner, probed, decision, payload, config
 
 
@@ -118,25 +119,26 @@ def _region_hit(runner, probed, decision, payload, config):
     return latent, region, decision
 
 
-def test_a_table_that_reaches_every_block_gives_todays_region_only_result(tiny_model, store):
-    runner, probed, decision, payload, config = _crafted_hit(tiny_model, store)
-    today, region, _ = _region_hit(runner, probed, decision, payload, config)
-    assert not region.reach
+def test_a_table_that_reaches_every_block_gives_todays_region_only_result(live_tiny_model, store):
+    runner, probed, decision, payload, config = _crafted_hit(live_tiny_model, store)
     every = {**{name: torch.ones_like(t) for name, t in payload.connectivity.items() if name != BLOCK_SIZE_KEY},
              BLOCK_SIZE_KEY: payload.connectivity[BLOCK_SIZE_KEY]}
+    payload = dataclasses.replace(payload, connectivity=every)     # the full steps attend as densely both times
+    today, region, _ = _region_hit(runner, probed, decision, payload, config)
+    assert not region.reach
     sparse_config = dataclasses.replace(config, region_sparse_keys=True)
-    latent, region, d = _region_hit(runner, probed, decision, dataclasses.replace(payload, connectivity=every),
-                                    sparse_config)
+    latent, region, d = _region_hit(runner, probed, decision, payload, sparse_config)
     assert region.reach and all(rows is None for rows in region.reach.values())
     assert d.numbers["region_key_share"] == 1.0
     assert torch.allclose(latent, today, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_with_a_sparse_table_a_region_step_gives_the_target_the_masked_full_steps_result(tiny_model, store, guidance):
+def test_with_a_sparse_table_a_region_step_gives_the_target_the_masked_full_steps_result(live_tiny_model, store,
+                                                                                         guidance):
     """One step run twice from the same latent: every token under the reference plan (capturing the keys and values
     the target reaches), then the target alone with its keys cut to the reached blocks: the same target region."""
-    runner, probed, decision, payload, config = _crafted_hit(tiny_model, store, guidance=guidance)
+    runner, probed, decision, payload, config = _crafted_hit(live_tiny_model, store, guidance=guidance)
     decision, _, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
     target = resume_stage.target_tokens(runner.layout, decision.target_cells, resume_stage.REGION_HALO)
     reach = reached_key_rows(payload.connectivity, target)
@@ -154,8 +156,8 @@ def test_with_a_sparse_table_a_region_step_gives_the_target_the_masked_full_step
     assert torch.allclose(part[..., inside], full[..., inside], rtol=1e-4, atol=1e-5)
 
 
-def test_the_kept_and_streamed_keys_shrink_by_the_rows_the_target_does_not_reach(tiny_model, store, monkeypatch):
-    runner, probed, decision, payload, config = _crafted_hit(tiny_model, store)
+def test_the_kept_and_streamed_keys_shrink_by_the_rows_the_target_does_not_reach(live_tiny_model, store, monkeypatch):
+    runner, probed, decision, payload, config = _crafted_hit(live_tiny_model, store)
     monkeypatch.setattr(kept_kv, "placement", lambda order, *args: (set(), ""))     # every block streamed
     runner.memory = FakeMemory(reading=MemoryReading(0, 0, 0))
     loaded = []
@@ -181,8 +183,8 @@ def test_the_kept_and_streamed_keys_shrink_by_the_rows_the_target_does_not_reach
     assert sparse_loaded * length == dense_loaded * share > 0                       # nor moved at any region step
 
 
-def test_without_a_connectivity_or_sparse_attention_the_target_attends_to_every_key(tiny_model, store):
-    runner, probed, decision, payload, config = _crafted_hit(tiny_model, store)
+def test_without_a_connectivity_or_sparse_attention_the_target_attends_to_every_key(live_tiny_model, store):
+    runner, probed, decision, payload, config = _crafted_hit(live_tiny_model, store)
     for entry, sparse in ((dataclasses.replace(payload, connectivity={}), True), (payload, False)):
         on = dataclasses.replace(config, region_sparse_keys=True, sparse_attention=sparse)
         _, region, d = _region_hit(runner, probed, decision, entry, on)

@@ -65,12 +65,12 @@ def test_flow_sigmas_validate():
         flow_sigmas(0)
 
 
-def test_signature_records_every_view(tiny_model):
+def test_signature_records_every_view(live_tiny_model):
     from carnator_engine.euler import TinyDiTRunner
     from carnator_engine.observer import GenerationObserver
     from carnator_engine.signature import SignatureRecorder, signature_distance
     recorder = SignatureRecorder(probe_steps=2, block_size=64)
-    runner = TinyDiTRunner(tiny_model, "a red circle")
+    runner = TinyDiTRunner(live_tiny_model, "a red circle")
     runner.run(torch.randn(1, 3, 8, 32, 32), flow_sigmas(10), 0, 2, GenerationObserver(signature=recorder))
     signature = recorder.signature()
     assert signature.hidden.shape == (2, 2, 64)
