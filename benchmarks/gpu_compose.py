@@ -326,8 +326,10 @@ def run(args):
             except Exception:
                 out.setdefault("region_errors", {})[warm_up] = traceback.format_exc()
                 log(f"region warm-up FAILED:\n{traceback.format_exc()}")
+        latest = {}     # the hit region_hits just ran: its latent, kept under its case name below
+
         def difference(latent):
-            latent = region_latents["last"] = runner.to_latent_format(latent)
+            latent = latest["latent"] = runner.to_latent_format(latent)
             return {"rel_l2_vs_plain": rel_diff(latent, reference)}
 
         for share in shares:
@@ -340,7 +342,7 @@ def run(args):
                 log(f"region hit {share:.0%}{suffix} FAILED:\n{traceback.format_exc()}")
                 continue
             found[name] = {**case, "model_calls": calls[0]}
-            region_latents[name] = region_latents.pop("last")
+            region_latents[name] = latest["latent"]
             sixteen = region_latents.get(name.replace(" 8-bit", ""))
             if hit_config.region_kv_8bit and sixteen is not None:
                 found[name]["rel_l2_vs_16_bit"] = rel_diff(region_latents[name], sixteen)
