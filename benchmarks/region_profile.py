@@ -7,9 +7,7 @@ synchronised): the probe's full steps, the full step k that captures the other t
 region steps; the hit's whole time beside them. torch.profiler records one full step of the probe (the baseline: a
 plain step) and --profile-steps region steps of each hit: ops by self GPU time, and how much of the steps' wall time
 the GPU was busy (below 100 %: the steps wait on the CPU). Before the timed hits, one untimed hit of each variant
-takes the first run's costs (pinning host memory). Then, with torch's cache of pinned memory emptied before each, the
-first region-only hit of a process without and with region_pin_ahead (the probe pins that memory on a side thread):
-its seconds and its probe's.
+takes the first run's costs (pinning host memory).
 
 Variants: streamed (the default: the kept keys and values that do not fit within the memory plain sampling needed
 are streamed from pinned host memory), resident (region_memory_margin 100: every block on the GPU), 8-bit
@@ -45,8 +43,6 @@ def parse_args(argv=None):
                         help=f"how the kept keys and values are held, of {', '.join(VARIANTS)}")
     parser.add_argument("--profile-steps", type=int, default=3, help="region steps each profile records")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-first-hits", action="store_true",
-                        help="no first hits with an empty pinned cache, without and with region_pin_ahead")
     args = parser.parse_args(argv)
     args.variants = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = sorted(set(args.variants) - set(VARIANTS))
@@ -122,15 +118,20 @@ class StepClock:
 
 
 def profile_table(profiler, wall: float, steps: int, cuda: bool) -> dict:
-    """The profiled steps' wall time, the GPU's busy time (the kernels' self time) and the top ops by self time."""
+    """The profiled steps' wall time, the GPU's busy time and the top ops by self time. On CUDA the busy time sums the
+    kernels and copies (on every stream: a side stream's copies overlapping the compute count too) and the ops are the
+    torch ops that launched them; on the CPU both are the ops' own CPU time."""
     events = profiler.key_averages()
 
     def own(event):
         if cuda:
             return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
         return event.self_cpu_time_total
-    busy = sum(own(event) for event in events) / 1e6
-    top = sorted(events, key=own, reverse=True)[:25]
+
+    def on_device(event):
+        return "CUDA" in str(getattr(event, "device_type", ""))
+    busy = sum(own(event) for event in events if on_device(event) == cuda) / 1e6
+    top = sorted((event for event in events if not on_device(event)), key=own, reverse=True)[:25]
     return {"steps": steps, "wall_s_per_step": wall / max(steps, 1), "busy_s_per_step": busy / max(steps, 1),
             "busy_share": busy / wall if wall else None, "clock": "GPU" if cuda else "CPU",
             "top_ops": [{"name": event.key, "calls_per_step": event.count / max(steps, 1),
@@ -195,9 +196,6 @@ def run(args):
                     f"{len(kinds.get('region', []))}, full step {median(kinds.get('full', [])) * 1e3:.1f} ms x "
                     f"{len(kinds.get('full', []))}; profiled: {region.get('busy_share') or 0:.0%} busy")
                 reports.write(args.out, out)
-        if not args.skip_first_hits:
-            out["first_hits"] = first_hits(runner, store, config, noise, k, args, log)
-            reports.write(args.out, out)
     finally:
         store.close()
         shutil.rmtree(store_root, ignore_errors=True)
@@ -205,26 +203,6 @@ def run(args):
     reports.write(args.out, out)
     print_table(out)
     return out
-
-
-def first_hits(runner, store, config, noise, resume_step, args, log) -> dict:
-    """The first region-only hit of a process (at the first share, the first variant), without and with
-    region_pin_ahead: torch's cache of pinned host memory emptied before each, as in a fresh process."""
-    from carnator_engine.kept_kv import KeptKeysValues
-    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
-    if empty_host_cache is None:
-        return {"skipped": "this torch cannot empty its cache of pinned memory"}
-    cases = {}
-    for pin in (False, True):
-        empty_host_cache()
-        KeptKeysValues.pinned_high_water = 0
-        hit_config = dataclasses.replace(config, region_pin_ahead=pin, **VARIANTS[args.variants[0]])
-        (_, case), = region_hits(runner, store, hit_config, noise, runner.sigmas, resume_step, args.seed,
-                                 args.shares[:1], log, lambda latent: {},
-                                 f" {args.variants[0]} first{' pinned ahead' if pin else ''}").items()
-        cases["pinned ahead" if pin else "pinned at capture"] = {key: case[key] for key in (
-            "seconds", "probe_s", "resume_and_write_s", "peak_bytes", "region_only")}
-    return cases
 
 
 def print_table(out) -> None:
@@ -235,9 +213,6 @@ def print_table(out) -> None:
         busy = (case.get("profile_region") or {}).get("busy_share")
         print(f"{name:<28} {case['seconds']:>7.2f} {region.get('median', float('nan')) * 1e3:>15.1f} "
               f"{(busy or 0) * 100:>5.0f}% {case['peak_bytes'] / 2**30:>9.2f}")
-    for name, case in (out.get("first_hits") or {}).items():
-        if isinstance(case, dict):
-            print(f"first region-only hit, host memory {name}: {case['seconds']:.2f} s (probe {case['probe_s']:.2f} s)")
     for name, profile in [("full step (miss)", out["miss"]["profile_full"])] + \
             [(name, case["profile_region"]) for name, case in out["cases"].items() if case.get("profile_region")]:
         print(f"\n{name}: {profile['wall_s_per_step'] * 1e3:.1f} ms a step, {profile['clock']} busy "

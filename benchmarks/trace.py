@@ -74,7 +74,9 @@ def methods(fewer_steps: int, cacheseek_sweep=()) -> dict:
                   # the default with the gate's subject rule on (off by default until measured)
                   "carnator_subject_rule": ("carnator_refine", DEFAULT_RISK, {"refuse_subject_change": True}, {}),
                   # the default with region-only resume on (off by default until measured; gpu_time.py prices it)
-                  "carnator_region": ("carnator_region", DEFAULT_RISK, {}, {})})
+                  "carnator_region": ("carnator_region", DEFAULT_RISK, {}, {}),
+                  # the same with the kept keys and values in 8 bits (CarnatorConfig.region_kv_8bit)
+                  "carnator_region_8bit": ("carnator_region_8bit", DEFAULT_RISK, {}, {})})
     return table
 
 

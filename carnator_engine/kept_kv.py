@@ -18,7 +18,6 @@ memory, the pinning and the bytes streamed per region step, dequantized on the d
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -150,11 +149,12 @@ def _view_in(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple:
-    """x [..., D] -> (int8 values in x's memory order, float32 scales [..., 1]): x ~= values x scale, one scale per
-    row (a token of a head), its largest magnitude mapped to 127. Chunked along the rows so that the float32
+    """x [..., D] -> (int8 values and float32 scales [..., 1], both in x's memory order): x ~= values x scale, one
+    scale per row (a token of a head), its largest magnitude mapped to 127. Chunked along the rows so that the float32
     temporaries stay small beside a full step's activations."""
     values = empty_in_layout(x, torch.int8, x.device)
-    scales = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    # in x's memory order too: dequantize_rows then reads values and scales in step (one contiguous pass over both)
+    scales = empty_in_layout(x[..., :1], torch.float32, x.device)
     row_size = max(1, x[..., 0, :].numel())
     rows = max(1, QUANTIZE_CHUNK // row_size)
     tiny = torch.finfo(torch.float32).tiny
@@ -171,75 +171,6 @@ def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     """quantize_rows' inverse, in `dtype` and `values`' memory order (computed in float32, stored as `dtype`)."""
     out = empty_in_layout(values, dtype, values.device)
     return torch.mul(values, scales, out=out)
-
-
-def kept_part_bytes(x: torch.Tensor, eight_bit: bool) -> list:
-    """The host bytes of each part a capture keeps of the keys (or values) x: x itself, or with `eight_bit` its int8
-    values and float32 scales (quantize_rows)."""
-    if not eight_bit:
-        return [x.numel() * x.element_size()]
-    return [x.numel(), x.numel() // max(1, x.shape[-1]) * 4]
-
-
-class PinAhead:
-    """CarnatorConfig.region_pin_ahead, on the probe's observer: pins on a background thread, while the probe's later
-    steps run, the host memory a region-only hit of this request's shape pins at its capture step, so that the first
-    hit of a process finds it in torch's cache of pinned memory. The sizes are those of the keys and values the
-    probe's first step attends with (every row: a region_sparse_keys hit keeps fewer). Nothing is pinned off CUDA,
-    beyond the host budget, or when runs of this process already hold as much."""
-
-    _running: Optional[threading.Thread] = None    # one at a time in the process; a capture waits for it
-
-    def __init__(self, eight_bit: bool, memory=None):
-        self.eight_bit = bool(eight_bit)
-        self.memory = memory if memory is not None else TorchMemory()
-        self.sizes: list = []
-        self._step: Optional[int] = None      # the step whose keys and values are measured
-        self.started = False
-
-    def self_attention(self, step: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.started or not k.is_cuda:
-            return
-        self._step = step if self._step is None else self._step
-        if step == self._step:
-            self.sizes += kept_part_bytes(k, self.eight_bit) + kept_part_bytes(v, self.eight_bit)
-
-    def begin_step(self, step: int) -> None:
-        """After the measured step: the pinning starts (the probe's steps from here on run beside it)."""
-        if self.started or not self.sizes or step == self._step:
-            return
-        self.started = True
-        PinAhead.wait()
-        PinAhead._running = threading.Thread(target=pin_ahead, args=(list(self.sizes), self.memory),
-                                             name="carnator-pin-ahead", daemon=True)
-        PinAhead._running.start()
-
-    @staticmethod
-    def wait() -> None:
-        """Until the pinning in progress, if any, is done: a capture then takes its memory from torch's cache."""
-        running = PinAhead._running
-        if running is not None:
-            running.join()
-
-
-def pin_ahead(sizes: list, memory, pin=None) -> int:
-    """Pins blocks of `sizes` bytes and frees them into torch's cache of pinned memory (`pin(size)` makes one; CUDA's
-    pinned allocator by default); returns the bytes pinned. Skipped (0) when runs of this process already hold as
-    much, or when it would take more than the host budget a capture has."""
-    total = sum(sizes)
-    cached = KeptKeysValues.pinned_high_water
-    if total <= cached or total > host_budget(memory.host_available(), cached):
-        return 0
-    pin = pin or (lambda size: torch.empty(size, dtype=torch.uint8, pin_memory=True))
-    held = []
-    try:
-        for size in sizes:
-            held.append(pin(size))
-    except RuntimeError:    # the host would not pin more: what was pinned stays cached for a capture
-        pass
-    pinned = sum(block.numel() * block.element_size() for block in held)
-    KeptKeysValues.pinned_high_water = max(KeptKeysValues.pinned_high_water, pinned)
-    return pinned
 
 
 class KeptKeysValues:
@@ -303,8 +234,6 @@ class KeptKeysValues:
         need = sum(part.numel() * part.element_size() for part in parts)
         pinning = k.device.type == "cuda"
         if self._host_budget is None:
-            if pinning:
-                PinAhead.wait()     # its memory, once pinned, is in torch's cache for the allocations below
             self._host_budget = host_budget(self.memory.host_available(),
                                             KeptKeysValues.pinned_high_water if pinning else 0)
         if self._kept_bytes + need > self._host_budget:

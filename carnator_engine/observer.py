@@ -62,7 +62,6 @@ class GenerationObserver:
     checkpoints: Optional[CheckpointRecorder] = None
     sparse: Optional[object] = None         # sparse_attention.BlockSparseAttention
     region: Optional[object] = None         # region.RegionTokens: a region-only resume's tokens
-    pin_ahead: Optional[object] = None      # kept_kv.PinAhead: pins a region-only hit's host memory during the probe
     step: int = -1
     steps_run: int = 0                      # sampler steps evaluated (a step cache may answer some itself)
     forwards: int = 0                       # diffusion model forwards, as runners that count them report
@@ -74,8 +73,6 @@ class GenerationObserver:
         self.steps_run += 1
         if self.region is not None:
             self.region.begin_step(step)
-        if self.pin_ahead is not None:
-            self.pin_ahead.begin_step(step)
         if self.checkpoints is not None:
             self.checkpoints.record(step, x)
 
@@ -98,8 +95,6 @@ class GenerationObserver:
             self.signature.self_attention(self.step, block_index, video_q, video_k)
         if self.connectivity is not None:
             self.connectivity.self_attention(self.step, block_index, video_q, video_k)
-        if self.pin_ahead is not None:
-            self.pin_ahead.self_attention(self.step, k, v)
         if self.region is not None:
             if self.region.active:     # target queries over the kept keys: the cached plan is for whole-clip steps
                 return self.region.attend(block_index, q, k, v, dense)

@@ -31,7 +31,6 @@ from . import gate as gate_module
 from . import resume as resume_stage
 from .store.index import (HELD_BUCKET, Candidate, bucket_difference, bucket_key, bucket_parts,
                           incomparable_bucket, nearest)
-from .kept_kv import PinAhead
 from .observer import CheckpointRecorder, GenerationObserver
 from .preview import thumbnail_png
 from .resume import follow_entry
@@ -71,9 +70,6 @@ class CarnatorConfig:
     # the kept keys and values in 8 bits, a float32 scale per row (kept_kv.quantize_rows): half the host memory,
     # pinning and bytes streamed per region step; off until its GPU speed and its quality are measured
     region_kv_8bit: bool = False
-    # while the probe runs, pin on a background thread the host memory a region-only hit's capture would pin
-    # (kept_kv.PinAhead): the first region-only hit of a process does not pin it on its way; off until measured
-    region_pin_ahead: bool = False
     max_checkpoints: int = 12
     lookup_limit: int = 3
     gate_overrides: dict = field(default_factory=dict)
@@ -117,8 +113,6 @@ class CarnatorConfig:
             raise ValueError(f"region_sparse_keys must be True or False, got {self.region_sparse_keys!r}")
         if not isinstance(self.region_kv_8bit, bool):
             raise ValueError(f"region_kv_8bit must be True or False, got {self.region_kv_8bit!r}")
-        if not isinstance(self.region_pin_ahead, bool):
-            raise ValueError(f"region_pin_ahead must be True or False, got {self.region_pin_ahead!r}")
         if not isinstance(self.region_full_steps, int) or self.region_full_steps < 0:
             raise ValueError(f"region_full_steps={self.region_full_steps!r} must be a whole number >= 0: the last "
                              "steps of a region-only resume that run every token")
@@ -269,9 +263,7 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
                                time.perf_counter() - started, repeat=repeat)
     recorder = SignatureRecorder(config.probe_steps, config.block_size)
     warm_denoised_projection(recorder.denoised_size(noise.shape))   # for the lookup, drawn while the probe runs
-    pin = PinAhead(config.region_kv_8bit, getattr(runner, "memory", None)) \
-        if config.region_only and config.region_pin_ahead else None
-    observer = GenerationObserver(signature=recorder, pin_ahead=pin)
+    observer = GenerationObserver(signature=recorder)
     x = noise * float(sigmas[0])
     latent = runner.run(x, sigmas, 0, config.probe_steps, observer)
     bucket, key = identity or request_identity(runner, noise, sigmas)

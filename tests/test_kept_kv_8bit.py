@@ -29,6 +29,7 @@ def test_quantized_rows_are_within_half_a_step_in_the_keys_memory_order(monkeypa
     x = _token_major()
     values, scales = quantize_rows(x)
     assert values.dtype == torch.int8 and values.stride() == x.stride() and scales.shape == (1, 3, 50, 1)
+    assert scales.stride() == empty_in_layout(x[..., :1]).stride() == (150, 1, 3, 1)    # token-major, as x
     step = x.abs().amax(dim=-1, keepdim=True) / 127
     assert torch.allclose(scales, step) and bool((values.abs() <= 127).all())
     back = dequantize_rows(values, scales, torch.float32)

@@ -1,6 +1,6 @@
 """CPU smoke run of benchmarks/region_profile.py (the GPU benchmarks' smoke preset, one target share, every variant):
 its step clock tells the probe's full steps, the capture step and the region steps apart, and each profile holds the
-steps it was asked for; the first hits without and with region_pin_ahead run; not speed."""
+steps it was asked for; not speed."""
 from __future__ import annotations
 
 import json
@@ -27,7 +27,4 @@ def test_region_profile_smoke(tmp_path):
         assert kinds["full"]["count"] == probe + 2 and kinds["region"]["count"] == steps - k - 2
         profile = case["profile_region"]
         assert profile["steps"] == 2 and profile["top_ops"] and profile["wall_s_per_step"] > 0
-    first = report["first_hits"]      # off CUDA nothing is pinned: the path runs, its times mean nothing here
-    assert set(first) == {"pinned at capture", "pinned ahead"} and all(case["region_only"] for case in first.values())
-    assert "top ops by self CPU" in completed.stdout and "first region-only hit, host memory pinned ahead" in \
-        completed.stdout
+    assert "top ops by self CPU" in completed.stdout

@@ -84,3 +84,11 @@ def test_a_kept_work_dir_runs_only_what_it_lacks_and_refuses_other_settings(tmp_
                                   str(tmp_path / "c.json")])
     error = capsys.readouterr().err
     assert "holds a run with other settings (requests)" in error
+
+
+def test_every_region_method_of_quality_is_a_trace_method_with_the_default_gate():
+    """The trace prices region-only resume as the product runs it, in 16 and in 8 bits (region_kv_8bit)."""
+    trace, quality = _script("trace"), _script("quality")
+    table = trace.methods(14)
+    for name in ("carnator_region", "carnator_region_8bit"):
+        assert name in quality.REGION_METHODS and table[name] == (name, trace.DEFAULT_RISK, {}, {})
