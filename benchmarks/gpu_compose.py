@@ -22,9 +22,9 @@ and miss interleaved in alternating order:
   region hit N% sparse keys (and +easycache)   the region-only hit with CarnatorConfig.region_sparse_keys: the
                         target attends only to the key blocks its query blocks reach in the entry's sparse
                         connectivity, so only those keys are kept and streamed (--region-sparse-shares; key_share)
-  region hit N% 8-bit (and +easycache)   the region-only hit with CarnatorConfig.region_kv_8bit: the kept keys and
-                        values in 8 bits, a scale per row (--region-8bit-shares); rel_l2_vs_16_bit: against the
-                        16-bit region-only hit at the same share, where it ran
+  region hit N% 16-bit (and +easycache)   the region-only hit with CarnatorConfig.region_kv_8bit off: the kept keys
+                        and values in the model's 16 bits, not the default's 8 (--region-16bit-shares);
+                        rel_l2_vs_default: against the default's region-only hit at the same share, where it ran
   cfg5 plain / easycache / miss / hit   the same with cfg 5 (cond + uncond)
 Relative L2 differences are against plain (and, for miss+easycache, against easycache alone). The gate runs with
 its defaults (no overrides); a hit it accepts at another checkpoint than k is forced to k (gpu_host.carnator_hit).
@@ -97,8 +97,8 @@ def parse_args(argv=None):
     parser.add_argument("--region-sparse-shares", type=shares_list, default=[],
                         help="target shares of region-only hits with region_sparse_keys (alone and with EasyCache), "
                              "beside the others; empty (default): none")
-    parser.add_argument("--region-8bit-shares", type=shares_list, default=[],
-                        help="target shares of region-only hits with region_kv_8bit (alone and with EasyCache); "
+    parser.add_argument("--region-16bit-shares", type=shares_list, default=[],
+                        help="target shares of region-only hits with region_kv_8bit off (alone and with EasyCache); "
                              "empty: none")
     parser.add_argument("--attention", choices=("default", "sage"), default="default",
                         help="sage: every case with SageAttention's Triton kernels (the sageattention package)")
@@ -230,7 +230,7 @@ def run(args):
     config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density,
                             region_only=False)
     sparse_keys = dataclasses.replace(config, region_sparse_keys=True)
-    eight_bit = dataclasses.replace(config, region_kv_8bit=True)
+    sixteen_bit = dataclasses.replace(config, region_kv_8bit=False)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
            "attention": args.attention, "compile": {"backend": args.compile_backend} if args.compile else None,
@@ -239,7 +239,7 @@ def run(args):
                       "easycache_end": args.easycache_end}, "gate_overrides": {}, "cases": {}, "easycache_sweep": {}}
     cases = out["cases"]
     latents = {}
-    region_latents = {}      # case name -> the region-only hit's latent (the 8-bit cases are compared with them)
+    region_latents = {}      # case name -> the region-only hit's latent (the 16-bit cases are compared with them)
     store_root = tempfile.mkdtemp(prefix="carnator_gpu_compose_", dir=args.store_dir)
     stores = []
 
@@ -309,9 +309,9 @@ def run(args):
         run goes on (the cases before it are kept)."""
         found = {}
         shares = args.region_shares if shares is None else shares
-        # sparse keys and 8 bits keep blocks of other sizes: their pinned host memory is another warm-up's
+        # sparse keys and 16 bits keep blocks of other sizes: their pinned host memory is another warm-up's
         warm_up = "region_sparse_keys_warm_up_s" if hit_config.region_sparse_keys else \
-            "region_kv_8bit_warm_up_s" if hit_config.region_kv_8bit else "region_warm_up_s"
+            "region_16bit_warm_up_s" if not hit_config.region_kv_8bit else "region_warm_up_s"
         if shares and warm_up not in out:
             out[warm_up] = None
             before = len(compiles or ())
@@ -343,9 +343,9 @@ def run(args):
                 continue
             found[name] = {**case, "model_calls": calls[0]}
             region_latents[name] = latest["latent"]
-            sixteen = region_latents.get(name.replace(" 8-bit", ""))
-            if hit_config.region_kv_8bit and sixteen is not None:
-                found[name]["rel_l2_vs_16_bit"] = rel_diff(region_latents[name], sixteen)
+            default = region_latents.get(name.replace(" 16-bit", ""))
+            if not hit_config.region_kv_8bit and default is not None:
+                found[name]["rel_l2_vs_default"] = rel_diff(region_latents[name], default)
         return found
 
     def median_case(runs):
@@ -416,8 +416,8 @@ def run(args):
                                     dataclasses.replace(config, region_memory_margin=100.0)))
                 cases.update(region(runner, store, calls, base_latent, " sparse keys", args.region_sparse_shares,
                                     sparse_keys))
-                cases.update(region(runner, store, calls, base_latent, " 8-bit", args.region_8bit_shares,
-                                    eight_bit))
+                cases.update(region(runner, store, calls, base_latent, " 16-bit", args.region_16bit_shares,
+                                    sixteen_bit))
             save()
             if args.compile:
                 continue      # EasyCache inside a compiled model recompiles it at every step: not timed so
@@ -445,8 +445,8 @@ def run(args):
             cases.update(region(runner, store, calls, base_latent, "+easycache"))
             cases.update(region(runner, store, calls, base_latent, "+easycache sparse keys", args.region_sparse_shares,
                                 sparse_keys))
-            cases.update(region(runner, store, calls, base_latent, "+easycache 8-bit", args.region_8bit_shares,
-                                eight_bit))
+            cases.update(region(runner, store, calls, base_latent, "+easycache 16-bit", args.region_16bit_shares,
+                                sixteen_bit))
             save()
     finally:
         for store in stores:

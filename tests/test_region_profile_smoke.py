@@ -19,7 +19,7 @@ def test_region_profile_smoke(tmp_path):
     report = json.loads(out.read_text())
     steps, probe, k = (report["config"][key] for key in ("steps", "probe", "resume"))
     assert report["miss"]["profile_full"]["steps"] == 1 and report["miss"]["full_step_s"] > 0
-    assert set(report["cases"]) == {"region hit 30% streamed", "region hit 30% resident", "region hit 30% 8-bit"}
+    assert set(report["cases"]) == {"region hit 30% streamed", "region hit 30% resident", "region hit 30% 16-bit"}
     for case in report["cases"].values():
         assert case["region_only"]
         kinds = case["step_s"]
