@@ -1,6 +1,6 @@
 """CPU smoke run of benchmarks/gpu_compose.py (the GPU benchmarks' smoke preset, cfg 1 only, one EasyCache threshold,
-one region-only target share, with and without sparse keys, in 8 bits (the default) and 16): the script's plumbing and the
-composition it reports (a Carnator miss with EasyCache equals EasyCache alone, with the same model calls), not
+one region-only target share, with and without sparse keys, in 8 bits (the default) and 16): the script's plumbing
+and the composition it reports (a Carnator miss with EasyCache equals EasyCache alone, with the same model calls), not
 speed."""
 from __future__ import annotations
 
