@@ -12,8 +12,9 @@ Methods: no_reuse, text_similarity (NIRVANA-style: MiniLM cosine picks the entry
 (fewer steps: --fewer-steps), easycache (the EasyCache rule, benchmarks/quality.py), carnator_<risk> (the
 product's pipeline, refine on, whole-clip resume, at each risk level), carnator+steps_<N> and carnator+easycache
 (the default risk on top of the per-request method), carnator_subject_rule (the default with the gate's
-refuse_subject_change on), carnator_region (the product's default: carnator_balanced with region-only resume;
-benchmarks/gpu_time.py prices its region steps); the cross-request caches a creator could pick instead
+refuse_subject_change on), carnator_region (carnator_balanced with region-only resume, its kept keys and values
+in 16 bits; benchmarks/gpu_time.py prices its region steps) and carnator_region_8bit (the same in 8 bits: the
+product's default); the cross-request caches a creator could pick instead
 (benchmarks/prior_caches.py): cacheseek (CacheSeek's rule: the nearest prompt at cosine >= --cacheseek-threshold
 skips the first 10 % of the steps), redi (ReDi's rule: the nearest trajectory after the probe steps within
 --redi-threshold resumes at a later step) and comfyui_cache (ComfyUI's execution cache: the previous request again,
@@ -73,9 +74,9 @@ def methods(fewer_steps: int, cacheseek_sweep=()) -> dict:
                   "carnator+easycache": ("carnator_refine+easycache", DEFAULT_RISK, {}, {}),
                   # the default with the gate's subject rule on (off by default until measured)
                   "carnator_subject_rule": ("carnator_refine", DEFAULT_RISK, {"refuse_subject_change": True}, {}),
-                  # the default with region-only resume on (off by default until measured; gpu_time.py prices it)
+                  # region-only resume, its kept keys and values in 16 bits (gpu_time.py prices it)
                   "carnator_region": ("carnator_region", DEFAULT_RISK, {}, {}),
-                  # the same with the kept keys and values in 8 bits (CarnatorConfig.region_kv_8bit)
+                  # the same in 8 bits (CarnatorConfig.region_kv_8bit): the product's default
                   "carnator_region_8bit": ("carnator_region_8bit", DEFAULT_RISK, {}, {})})
     return table
 
