@@ -100,6 +100,9 @@ def parse_args(argv=None):
     parser.add_argument("--region-16bit-shares", type=shares_list, default=[],
                         help="target shares of region-only hits with region_kv_8bit off (alone and with EasyCache); "
                              "empty: none")
+    parser.add_argument("--region-kv-triton", choices=("default", "on", "off"), default="default",
+                        help="CarnatorConfig.region_kv_triton (8-bit kept keys and values dequantized by the Triton "
+                             "kernel) for every case; default: the product's")
     parser.add_argument("--attention", choices=("default", "sage"), default="default",
                         help="sage: every case with SageAttention's Triton kernels (the sageattention package)")
     parser.add_argument("--compile", action="store_true",
@@ -229,13 +232,16 @@ def run(args):
     # "hit" is the whole-clip hit; the region-only cases turn region_only on with their forced targets
     config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density,
                             region_only=False)
+    if args.region_kv_triton != "default":
+        config = dataclasses.replace(config, region_kv_triton=args.region_kv_triton == "on")
     sparse_keys = dataclasses.replace(config, region_sparse_keys=True)
     sixteen_bit = dataclasses.replace(config, region_kv_8bit=False)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
            "attention": args.attention, "compile": {"backend": args.compile_backend} if args.compile else None,
            "config": {"steps": n, "probe": p, "resume": k, "latent": list(latent_shape), "repeats": args.repeats,
-                      "max_density": args.max_density, "easycache_start": args.easycache_start,
+                      "max_density": args.max_density, "region_kv_triton": config.region_kv_triton,
+                      "easycache_start": args.easycache_start,
                       "easycache_end": args.easycache_end}, "gate_overrides": {}, "cases": {}, "easycache_sweep": {}}
     cases = out["cases"]
     latents = {}

@@ -11,7 +11,10 @@ takes the first run's costs (pinning host memory).
 
 Variants: streamed (the default: the kept keys and values, in 8 bits, that do not fit within the memory plain
 sampling needed are streamed from pinned host memory), resident (region_memory_margin 100: every block on the GPU),
-16-bit (region_kv_8bit off: kept in the model's 16 bits, streamed as the default's).
+16-bit (region_kv_8bit off: kept in the model's 16 bits, streamed as the default's), triton (region_kv_triton: the
+default's 8 bits dequantized by kernels.dequantize). Each case lists every step's milliseconds in order
+(step_s.sequence: the probe, step k's capture, the first region step's placement, ...). --profile-steps 0 profiles
+nothing, so that every hit's seconds are unprofiled.
 
   python3 benchmarks/region_profile.py --out benchmarks/results/gpu/region_profile_h200.json
   python3 benchmarks/region_profile.py --smoke --out /tmp/region_profile.json          # tiny, CPU
@@ -33,24 +36,25 @@ import reports  # noqa: E402
 from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, elapsed_logger, find_comfyui,  # noqa: E402
                       host_arguments, import_comfy, median, region_hits, shares_list, sync)
 
-VARIANTS = {"streamed": {}, "resident": {"region_memory_margin": 100.0},
+VARIANTS = {"streamed": {}, "triton": {"region_kv_triton": True}, "resident": {"region_memory_margin": 100.0},
             "16-bit": {"region_kv_8bit": False}}
 
 
 def parse_args(argv=None):
     parser = host_arguments(__doc__)
     parser.add_argument("--shares", type=shares_list, default=[0.1, 0.3], help="target shares of the hits")
-    parser.add_argument("--variants", default="streamed,resident,16-bit",
+    parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"how the kept keys and values are held, of {', '.join(VARIANTS)}")
-    parser.add_argument("--profile-steps", type=int, default=3, help="region steps each profile records")
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="region steps each profile records (0: none, every hit timed unprofiled)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.variants = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown or not args.variants:
         parser.error(f"--variants: {', '.join(unknown) or 'none given'}; choose from {', '.join(VARIANTS)}")
-    if args.profile_steps < 1:
-        parser.error("--profile-steps must be at least 1")
+    if args.profile_steps < 0:
+        parser.error("--profile-steps must be 0 or more")
     return args
 
 
@@ -182,14 +186,16 @@ def run(args):
                         lambda latent: {}, f" {variant} (warm-up)")
             for share in args.shares:
                 with StepClock(GenerationObserver, cuda) as clock:
-                    clock.profiled = ("region", k + 2, args.profile_steps)
+                    clock.profiled = ("region", k + 2, args.profile_steps) if args.profile_steps else None
                     (name, case), = region_hits(runner, store, hit_config, noise, runner.sigmas, k, args.seed,
                                                 [share], log, lambda latent: {}, f" {variant}").items()
                 kinds = {}
                 for step, kind, seconds in clock.steps():
                     kinds.setdefault(kind, []).append(seconds)
-                case.update({"step_s": {kind: {"median": median(values), "count": len(values),
-                                               "total": sum(values)} for kind, values in kinds.items()},
+                sequence = [f"{step}{kind[0]} {seconds * 1e3:.1f}" for step, kind, seconds in clock.steps()]
+                case.update({"step_s": {**{kind: {"median": median(values), "count": len(values),
+                                                  "total": sum(values)} for kind, values in kinds.items()},
+                                        "sequence": sequence},
                              "profile_region": clock.profiles.get("region")})
                 out["cases"][name] = case
                 region = case["profile_region"] or {}

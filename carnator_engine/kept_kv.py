@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from .gate import RegionFallback
+from .kernels import dequantize as dequantize_kernel
 
 GIB = 1 << 30
 RESERVE = 256 << 20      # device bytes the plan never counts on: the allocator's rounding, a kernel's workspace
@@ -167,25 +168,32 @@ def quantize_rows(x: torch.Tensor) -> tuple:
     return values, scales
 
 
-def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """quantize_rows' inverse, in `dtype` and `values`' memory order (computed in float32, stored as `dtype`)."""
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                    kernel: bool = False) -> torch.Tensor:
+    """quantize_rows' inverse, in `dtype` and `values`' memory order (computed in float32, stored as `dtype`); with
+    `kernel`, on a GPU, by kernels.dequantize where it runs (the same result in one pass), else by torch."""
     out = empty_in_layout(values, dtype, values.device)
+    if kernel and values.is_cuda and dequantize_kernel.supports(values, scales) and \
+            dequantize_kernel.dequantize_rows(values, scales, out):
+        return out
     return torch.mul(values, scales, out=out)
 
 
 class KeptKeysValues:
     """The keys and values of one region-only run, per (block, forward): captured at full steps, fetched at region
     steps. `memory` reads the device's memory (TorchMemory by default); `margin` is the share of the process's
-    high-water mark the region steps may add; `eight_bit` keeps them as int8 with a scale per row (quantize_rows)."""
+    high-water mark the region steps may add; `eight_bit` keeps them as int8 with a scale per row (quantize_rows),
+    `kernel` dequantizes them with kernels.dequantize on a GPU where it runs."""
 
     # bytes of pinned host memory runs of this process have held at once: torch caches them after a run (counted as
     # in use by the host), and the next run's captures of the same sizes take them from that cache
     pinned_high_water = 0
 
-    def __init__(self, memory=None, margin: float = 0.05, eight_bit: bool = False):
+    def __init__(self, memory=None, margin: float = 0.05, eight_bit: bool = False, kernel: bool = False):
         self.memory = memory if memory is not None else TorchMemory()
         self.margin = float(margin)
         self.eight_bit = bool(eight_bit)
+        self.kernel = bool(kernel)
         self._host_budget: Optional[int] = None   # set at the run's first capture
         self._kept_bytes = 0
         # key -> its parts, (keys, values) or with eight_bit (keys, their scales, values, their scales): pinned host
@@ -311,7 +319,8 @@ class KeptKeysValues:
         if following is not None and following not in self._holds:
             self._load(following, 1 - self._current)
         if self.eight_bit:
-            return dequantize_rows(out[0], out[1], self._dtype), dequantize_rows(out[2], out[3], self._dtype)
+            return tuple(dequantize_rows(values, scales, self._dtype, self.kernel)
+                         for values, scales in (out[:2], out[2:]))
         return out
 
     def _load(self, key, index: int) -> int:

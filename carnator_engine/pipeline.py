@@ -71,6 +71,9 @@ class CarnatorConfig:
     # pinning and bytes streamed per region step; on since it measured as 16 bits in quality (pooled sets, creator
     # trace) and lower in GPU and host memory, at about 16 bits' speed (docs/region-resume.md)
     region_kv_8bit: bool = True
+    # ... dequantized on the GPU by a Triton kernel (kernels.dequantize: the same values in one pass; torch's multiply
+    # where Triton cannot run); off until its speed is measured
+    region_kv_triton: bool = False
     max_checkpoints: int = 12
     lookup_limit: int = 3
     gate_overrides: dict = field(default_factory=dict)
@@ -83,6 +86,7 @@ class CarnatorConfig:
         the policy they give: the same limits set through a risk preset or through overrides are one setting."""
         settings = dataclasses.asdict(self)
         del settings["gate_overrides"]
+        del settings["region_kv_triton"]     # the same values either way: how they are computed, not what
         return {**settings, "policy": dataclasses.asdict(self.policy())}
 
     def validate(self, steps: int) -> None:
@@ -112,8 +116,9 @@ class CarnatorConfig:
                              "GPU memory a request already used that region-only resume may add")
         if not isinstance(self.region_sparse_keys, bool):
             raise ValueError(f"region_sparse_keys must be True or False, got {self.region_sparse_keys!r}")
-        if not isinstance(self.region_kv_8bit, bool):
-            raise ValueError(f"region_kv_8bit must be True or False, got {self.region_kv_8bit!r}")
+        for name in ("region_kv_8bit", "region_kv_triton"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.region_full_steps, int) or self.region_full_steps < 0:
             raise ValueError(f"region_full_steps={self.region_full_steps!r} must be a whole number >= 0: the last "
                              "steps of a region-only resume that run every token")

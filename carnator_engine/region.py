@@ -55,10 +55,11 @@ def latent_mask_of_tokens(layout, tokens: torch.Tensor, latent_fhw) -> torch.Ten
 class RegionTokens:
     """One region-only run's state on the observer: which tokens go through the blocks, and the keys and values of
     the whole clip, captured at full steps (`full_steps`) and attended to at every other step. `memory` and `margin`
-    bound the GPU memory they take, `eight_bit` keeps them in 8 bits (kept_kv.KeptKeysValues)."""
+    bound the GPU memory they take, `eight_bit` keeps them in 8 bits, `kernel` dequantizes them with a Triton kernel
+    (kept_kv.KeptKeysValues)."""
 
     def __init__(self, target: torch.Tensor, full_steps: frozenset, memory=None, margin: float = 0.05,
-                 reach: Optional[dict] = None, eight_bit: bool = False):
+                 reach: Optional[dict] = None, eight_bit: bool = False, kernel: bool = False):
         self.target = target.bool().flatten()
         self.length = int(self.target.numel())
         self.kept = self.target.nonzero().flatten()
@@ -68,7 +69,7 @@ class RegionTokens:
         self.capturing = False      # this step runs every token and keeps the whole clip's keys and values
         self.slot = -1              # which forward of the step (cond and uncond may run apart)
         # (block, slot) -> the whole clip's keys and values [B, heads, L(+T), D], the target's rows rewritten each step
-        self.keys_values = KeptKeysValues(memory, margin, eight_bit)
+        self.keys_values = KeptKeysValues(memory, margin, eight_bit, kernel)
         # block -> the video key rows the target reaches (None: every row); no entry: every row, as without tables
         self.reach = dict(reach or {})
         self.text_tokens: Optional[int] = None

@@ -19,12 +19,16 @@ def test_region_profile_smoke(tmp_path):
     report = json.loads(out.read_text())
     steps, probe, k = (report["config"][key] for key in ("steps", "probe", "resume"))
     assert report["miss"]["profile_full"]["steps"] == 1 and report["miss"]["full_step_s"] > 0
-    assert set(report["cases"]) == {"region hit 30% streamed", "region hit 30% resident", "region hit 30% 16-bit"}
+    assert set(report["cases"]) == {"region hit 30% streamed", "region hit 30% resident", "region hit 30% 16-bit",
+                                    "region hit 30% triton"}
     for case in report["cases"].values():
         assert case["region_only"]
         kinds = case["step_s"]
         # the probe's steps and step k run every token, then the region steps, then the last full step (the seam)
         assert kinds["full"]["count"] == probe + 2 and kinds["region"]["count"] == steps - k - 2
+        # every step in order, named by its kind: the probe, step k's capture, the region steps, the seam
+        assert [entry.split()[0] for entry in kinds["sequence"]] == \
+            [f"{s}f" for s in range(probe)] + [f"{k}f"] + [f"{s}r" for s in range(k + 1, steps - 1)] + [f"{steps - 1}f"]
         profile = case["profile_region"]
         assert profile["steps"] == 2 and profile["top_ops"] and profile["wall_s_per_step"] > 0
     assert "top ops by self CPU" in completed.stdout
