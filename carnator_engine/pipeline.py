@@ -86,7 +86,6 @@ class CarnatorConfig:
         the policy they give: the same limits set through a risk preset or through overrides are one setting."""
         settings = dataclasses.asdict(self)
         del settings["gate_overrides"]
-        del settings["region_kv_triton"]     # the same values either way: how they are computed, not what
         return {**settings, "policy": dataclasses.asdict(self.policy())}
 
     def validate(self, steps: int) -> None:
