@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a region-only hit's time goes: Wan 2.1 1.3B, 480p x 81, N=50 (ComfyUI's WanModel, random weights, bf16).
 
-One miss is stored; then, for each variant (how the kept keys and values are held) and target share, one region-only
+One miss is stored and plain sampling timed (warm, beside the hits); then, for each variant (how the kept keys and values are held) and target share, one region-only
 hit resumed at k as gpu_compose's (probe 5, resume 25). Each step's wall time is taken at the step boundaries (CUDA
 synchronised): the probe's full steps, the full step k that captures the other tokens' keys and values, and the
 region steps; the hit's whole time beside them. torch.profiler records one full step of the probe (the baseline: a
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 import reports  # noqa: E402
 from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, elapsed_logger, find_comfyui,  # noqa: E402
-                      host_arguments, import_comfy, median, region_hits, shares_list, sync)
+                      host_arguments, import_comfy, median, plain_sample, region_hits, shares_list, sync, timed)
 
 VARIANTS = {"streamed": {}, "triton": {"region_kv_triton": True}, "resident": {"region_memory_margin": 100.0},
             "16-bit": {"region_kv_8bit": False}}
@@ -161,8 +161,9 @@ def run(args):
     generator = torch.Generator().manual_seed(args.seed)
     noise = torch.randn(tuple(preset["latent"]), generator=generator)
     context = torch.randn(1, preset["text_len"], TEXT_DIM, generator=generator)
-    runner = ComfyRunner(model, [[context, {}]], [[torch.zeros_like(context), {}]], cfg=1.0, sampler_name="euler",
-                         scheduler="simple", steps=n, seed=args.seed)
+    positive, negative = [[context, {}]], [[torch.zeros_like(context), {}]]
+    runner = ComfyRunner(model, positive, negative, cfg=1.0, sampler_name="euler", scheduler="simple", steps=n,
+                         seed=args.seed)
     config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=0.3, region_only=False)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
@@ -180,6 +181,10 @@ def run(args):
         out["miss"] = {"full_step_s": median(full), "peak_bytes": peak.bytes, "profile_full": clock.profiles["full"]}
         log(f"miss: full step {median(full) * 1e3:.1f} ms; profiled: "
             f"{clock.profiles['full']['busy_share']:.0%} busy")
+        with Peak() as peak, timed() as span:      # after the miss: warm, as the hits are
+            plain_sample(model, noise, runner.sigmas, positive, negative, args.seed)
+        out["plain"] = {"seconds": span["seconds"], "peak_bytes": peak.bytes}
+        log(f"plain sampling: {span['seconds']:.2f} s")
         for variant in args.variants:
             hit_config = dataclasses.replace(config, **VARIANTS[variant])
             region_hits(runner, store, hit_config, noise, runner.sigmas, k, args.seed, args.shares[:1], log,
@@ -193,7 +198,10 @@ def run(args):
                 for step, kind, seconds in clock.steps():
                     kinds.setdefault(kind, []).append(seconds)
                 sequence = [f"{step}{kind[0]} {seconds * 1e3:.1f}" for step, kind, seconds in clock.steps()]
-                case.update({"step_s": {**{kind: {"median": median(values), "count": len(values),
+                case.update({"speedup_vs_plain": out["plain"]["seconds"] / case["seconds"],
+                             "peak_vs_plain": case["peak_bytes"] / out["plain"]["peak_bytes"] - 1
+                             if out["plain"]["peak_bytes"] else None,       # the CPU has no peak to read
+                             "step_s": {**{kind: {"median": median(values), "count": len(values),
                                                   "total": sum(values)} for kind, values in kinds.items()},
                                         "sequence": sequence},
                              "profile_region": clock.profiles.get("region")})
@@ -214,12 +222,14 @@ def run(args):
 
 def print_table(out) -> None:
     print(f"\n{out['device']}, torch {out['torch']}; a full step of the miss {out['miss']['full_step_s'] * 1e3:.1f} ms")
-    print(f"{'case':<28} {'s':>7} {'region step ms':>15} {'busy':>6} {'peak GiB':>9}")
+    print(f"plain sampling {out['plain']['seconds']:.2f} s, peak {out['plain']['peak_bytes'] / 2**30:.2f} GiB")
+    print(f"{'case':<28} {'s':>7} {'vs plain':>9} {'region step ms':>15} {'busy':>6} {'peak GiB':>9} {'vs plain':>9}")
     for name, case in out["cases"].items():
         region = case["step_s"].get("region", {})
         busy = (case.get("profile_region") or {}).get("busy_share")
-        print(f"{name:<28} {case['seconds']:>7.2f} {region.get('median', float('nan')) * 1e3:>15.1f} "
-              f"{(busy or 0) * 100:>5.0f}% {case['peak_bytes'] / 2**30:>9.2f}")
+        print(f"{name:<28} {case['seconds']:>7.2f} {case['speedup_vs_plain']:>8.2f}x "
+              f"{region.get('median', float('nan')) * 1e3:>15.1f} {(busy or 0) * 100:>5.0f}% "
+              f"{case['peak_bytes'] / 2**30:>9.2f} {(case['peak_vs_plain'] or 0) * 100:>+8.1f}%")
     for name, profile in [("full step (miss)", out["miss"]["profile_full"])] + \
             [(name, case["profile_region"]) for name, case in out["cases"].items() if case.get("profile_region")]:
         print(f"\n{name}: {profile['wall_s_per_step'] * 1e3:.1f} ms a step, {profile['clock']} busy "

@@ -19,10 +19,11 @@ def test_region_profile_smoke(tmp_path):
     report = json.loads(out.read_text())
     steps, probe, k = (report["config"][key] for key in ("steps", "probe", "resume"))
     assert report["miss"]["profile_full"]["steps"] == 1 and report["miss"]["full_step_s"] > 0
+    assert report["plain"]["seconds"] > 0          # the baseline of every hit's speedup, timed in the same run
     assert set(report["cases"]) == {"region hit 30% streamed", "region hit 30% resident", "region hit 30% 16-bit",
                                     "region hit 30% triton"}
     for case in report["cases"].values():
-        assert case["region_only"]
+        assert case["region_only"] and case["speedup_vs_plain"] == report["plain"]["seconds"] / case["seconds"]
         kinds = case["step_s"]
         # the probe's steps and step k run every token, then the region steps, then the last full step (the seam)
         assert kinds["full"]["count"] == probe + 2 and kinds["region"]["count"] == steps - k - 2
