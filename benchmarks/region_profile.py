@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
 """Where a region-only hit's time goes: Wan 2.1 1.3B, 480p x 81, N=50 (ComfyUI's WanModel, random weights, bf16).
 
-One miss is stored and plain sampling timed (warm, beside the hits); then, for each variant (how the kept keys and values are held) and target share, one region-only
-hit resumed at k as gpu_compose's (probe 5, resume 25). Each step's wall time is taken at the step boundaries (CUDA
-synchronised): the probe's full steps, the full step k that captures the other tokens' keys and values, and the
-region steps; the hit's whole time beside them. torch.profiler records one full step of the probe (the baseline: a
-plain step) and --profile-steps region steps of each hit: ops by self GPU time, and how much of the steps' wall time
-the GPU was busy (below 100 %: the steps wait on the CPU). Before the timed hits, one untimed hit of each variant
-takes the first run's costs (pinning host memory).
+One miss is stored and plain sampling timed (warm, beside the hits); then, for each variant (how the kept keys and
+values are held) and target share, one region-only hit resumed at k as gpu_compose's (probe 5, resume 25). Each
+step's wall time is taken at the step boundaries (CUDA synchronised): the probe's full steps, the full step k that
+captures the other tokens' keys and values, and the region steps; the hit's whole time beside them. torch.profiler
+records one full step of the probe (the baseline: a plain step) and --profile-steps region steps of each hit: ops by
+self GPU time, and how much of the steps' wall time the GPU was busy (below 100 %: the steps wait on the CPU). Before
+the timed hits, one untimed hit of each variant takes the first run's costs (pinning host memory).
 
-Variants: streamed (the default: the kept keys and values, in 8 bits, that do not fit within the memory plain
-sampling needed are streamed from pinned host memory), resident (region_memory_margin 100: every block on the GPU),
-16-bit (region_kv_8bit off: kept in the model's 16 bits, streamed as the default's), triton (region_kv_triton: the
-default's 8 bits dequantized by kernels.dequantize). Each case lists every step's milliseconds in order
-(step_s.sequence: the probe, step k's capture, the first region step's placement, ...). --profile-steps 0 profiles
-nothing, so that every hit's seconds are unprofiled.
+Variants: streamed (the default: the kept keys and values, in 8 bits dequantized by the Triton kernel, that do not
+fit within the memory plain sampling needed are streamed from pinned host memory), torch (region_kv_triton off: the
+8 bits dequantized by torch's multiply), resident (region_memory_margin 100: every block on the GPU), 16-bit
+(region_kv_8bit off: kept in the model's 16 bits, streamed as the default's). Each case lists every step's
+milliseconds in order (step_s.sequence: the probe, step k's capture, the first region step's placement, ...).
+--profile-steps 0 profiles nothing, so that every hit's seconds are unprofiled.
 
   python3 benchmarks/region_profile.py --out benchmarks/results/gpu/region_profile_h200.json
   python3 benchmarks/region_profile.py --smoke --out /tmp/region_profile.json          # tiny, CPU
@@ -36,7 +36,7 @@ import reports  # noqa: E402
 from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, elapsed_logger, find_comfyui,  # noqa: E402
                       host_arguments, import_comfy, median, plain_sample, region_hits, shares_list, sync, timed)
 
-VARIANTS = {"streamed": {}, "triton": {"region_kv_triton": True}, "resident": {"region_memory_margin": 100.0},
+VARIANTS = {"streamed": {}, "torch": {"region_kv_triton": False}, "resident": {"region_memory_margin": 100.0},
             "16-bit": {"region_kv_8bit": False}}
 
 

@@ -112,14 +112,16 @@ def test_an_8_bit_hit_is_the_same_streamed_or_resident_and_close_to_the_16_bit_o
     assert 0 < error < 1e-2
 
 
-def test_a_default_region_only_hit_keeps_them_in_8_bits(live_tiny_model, store):
-    """On by default since measured (docs/region-resume.md#why-it-is-on-by-default); off keeps the model's dtype."""
+def test_a_default_region_only_hit_keeps_them_in_8_bits_dequantized_by_the_kernel(live_tiny_model, store):
+    """Both on by default since measured (docs/region-resume.md#why-it-is-on-by-default and #8-bit-keys-and-values);
+    off, the model's dtype and torch's dequantize."""
     runner, probed, decision, config = _hit(live_tiny_model, store, region_max_share=1.0)   # region settings unset
     payload = store.trajectory(store.record(decision.entry_id))
-    for setting, eight_bit in (({}, True), ({"region_kv_8bit": False}, False)):
+    for setting, eight_bit, kernel in (({}, True, True), ({"region_kv_8bit": False}, False, True),
+                                       ({"region_kv_triton": False}, True, False)):
         _, region, _ = resume_stage.plan_region(runner, probed, decision, payload,
                                                 CarnatorConfig(**{**config.__dict__, **setting}))
-        assert region is not None and region.keys_values.eight_bit == eight_bit
+        assert region is not None and (region.keys_values.eight_bit, region.keys_values.kernel) == (eight_bit, kernel)
 
 
 def test_region_kv_8bit_is_validated_with_the_fix():
