@@ -13,7 +13,8 @@ says why. On the CPU the host memory is the device's: the tensors stay where the
 Kept tensors keep the memory order the model made them in (a [B, L, heads x D] projection seen as [B, heads, L, D]):
 the host's attention then reads them as it reads its own, without a copy per block. With `eight_bit`
 (CarnatorConfig.region_kv_8bit) each is kept as int8 with one float32 scale per row (a token of a head): half the host
-memory, the pinning and the bytes streamed per region step, dequantized on the device block by block.
+memory, the pinning and the bytes streamed per region step, dequantized on the device block by block (by
+kernels.dequantize with CarnatorConfig.region_kv_triton, in one pass).
 """
 from __future__ import annotations
 
