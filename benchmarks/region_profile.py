@@ -194,10 +194,10 @@ def run(args):
                     clock.profiled = ("region", k + 2, args.profile_steps) if args.profile_steps else None
                     (name, case), = region_hits(runner, store, hit_config, noise, runner.sigmas, k, args.seed,
                                                 [share], log, lambda latent: {}, f" {variant}").items()
-                kinds = {}
-                for step, kind, seconds in clock.steps():
+                kinds, steps = {}, clock.steps()
+                for step, kind, seconds in steps:
                     kinds.setdefault(kind, []).append(seconds)
-                sequence = [f"{step}{kind[0]} {seconds * 1e3:.1f}" for step, kind, seconds in clock.steps()]
+                sequence = [f"{step}{kind[0]} {seconds * 1e3:.1f}" for step, kind, seconds in steps]
                 case.update({"speedup_vs_plain": out["plain"]["seconds"] / case["seconds"],
                              "peak_vs_plain": case["peak_bytes"] / out["plain"]["peak_bytes"] - 1
                              if out["plain"]["peak_bytes"] else None,       # the CPU has no peak to read

@@ -46,15 +46,14 @@ def _kernel():
     return dequantize
 
 
-def _dense_order(tensor: torch.Tensor) -> list:
-    """Its dimensions outermost first if `tensor` fills its memory without gaps or overlaps, else []."""
-    order = sorted(range(tensor.dim()), key=lambda dim: -tensor.stride(dim))
+def _fills_its_memory(tensor: torch.Tensor) -> bool:
+    """True when `tensor`'s elements cover its memory without gaps or overlaps (in any order of its dimensions)."""
     expected = 1
-    for dim in reversed(order):
+    for dim in sorted(range(tensor.dim()), key=tensor.stride):      # innermost first
         if tensor.shape[dim] != 1 and tensor.stride(dim) != expected:
-            return []
+            return False
         expected *= tensor.shape[dim]
-    return order
+    return True
 
 
 def supports(values: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -64,7 +63,7 @@ def supports(values: torch.Tensor, scales: torch.Tensor) -> bool:
         return False
     if tuple(scales.shape) != (*values.shape[:-1], 1) or values.stride(-1) != 1 or values.numel() == 0:
         return False
-    if not _dense_order(values) or not _dense_order(scales):
+    if not _fills_its_memory(values) or not _fills_its_memory(scales):
         return False
     width = values.shape[-1]
     same_rows = all(values.shape[dim] == 1 or values.stride(dim) == scales.stride(dim) * width
@@ -75,18 +74,14 @@ def supports(values: torch.Tensor, scales: torch.Tensor) -> bool:
 def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool:
     """values x scales into `out` (the values' shape and memory order, a float dtype) where `supports` holds; False
     when the kernel cannot compile or run on this machine (said once in the log; the caller computes it with torch)."""
+    import triton     # present: `supports` built the kernel
     rows, width = values.numel() // values.shape[-1], values.shape[-1]
-    grid = (-(-rows // ROWS_PER_PROGRAM),)
-    try:
-        _kernel()[grid](values, scales, out, rows, width, triton_power_of_two(width), ROWS_PER_PROGRAM)
+    grid = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
+    try:      # a block's extent must be a power of two: the row is padded to one and masked
+        _kernel()[grid](values, scales, out, rows, width, triton.next_power_of_2(width), ROWS_PER_PROGRAM)
     except Exception as error:     # a Triton without a compiler for this GPU, a driver it does not know
         _failed.append(error)
         log.warning("carnator: the 8-bit dequantize kernel does not run here (%s); torch dequantizes instead",
-                    str(error).splitlines()[0][:160] if str(error) else type(error).__name__)
+                    (str(error).splitlines() or [type(error).__name__])[0][:160])
         return False
     return True
-
-
-def triton_power_of_two(n: int) -> int:
-    """The smallest power of two >= n (a Triton block's extent must be one)."""
-    return 1 << max(0, int(n) - 1).bit_length()
