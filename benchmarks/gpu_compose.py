@@ -75,7 +75,11 @@ import torch  # noqa: E402
 import reports  # noqa: E402
 from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, carnator_hit, elapsed_logger,  # noqa: E402
                        find_comfyui, host_arguments, import_comfy, median, plain_sample, region_hits, rel_diff,
-                       shares_list, timed)
+                       shares_list, timed, with_easycache)
+
+
+ONOFF_SETTINGS = {"region_kv_triton": "8-bit kept keys and values dequantized by the Triton kernel",
+                  "region_fa4": "a region step's target attention on FlashAttention-4 where it is installed"}
 
 
 def parse_args(argv=None):
@@ -100,9 +104,9 @@ def parse_args(argv=None):
     parser.add_argument("--region-16bit-shares", type=shares_list, default=[],
                         help="target shares of region-only hits with region_kv_8bit off (alone and with EasyCache); "
                              "empty: none")
-    parser.add_argument("--region-kv-triton", choices=("default", "on", "off"), default="default",
-                        help="CarnatorConfig.region_kv_triton (8-bit kept keys and values dequantized by the Triton "
-                             "kernel) for every case; default: the product's")
+    for setting, what in ONOFF_SETTINGS.items():
+        parser.add_argument("--" + setting.replace("_", "-"), choices=("default", "on", "off"), default="default",
+                            help=f"CarnatorConfig.{setting} ({what}) for every case; default: the product's")
     parser.add_argument("--attention", choices=("default", "sage"), default="default",
                         help="sage: every case with SageAttention's Triton kernels (the sageattention package)")
     parser.add_argument("--compile", action="store_true",
@@ -195,11 +199,6 @@ class Compiles:
         return len(self.ids)
 
 
-def with_easycache(model, threshold, args):
-    from comfy_extras.nodes_easycache import EasyCacheNode
-    return EasyCacheNode.execute(model, threshold, args.easycache_start, args.easycache_end, False)[0]
-
-
 def run(args):
     preset = dict(PRESETS["smoke" if args.smoke else "real"])
     n, p, k = preset["steps"], preset["probe"], preset["resume"]
@@ -232,8 +231,9 @@ def run(args):
     # "hit" is the whole-clip hit; the region-only cases turn region_only on with their forced targets
     config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=args.max_density,
                             region_only=False)
-    if args.region_kv_triton != "default":
-        config = dataclasses.replace(config, region_kv_triton=args.region_kv_triton == "on")
+    for setting in ONOFF_SETTINGS:
+        if getattr(args, setting) != "default":
+            config = dataclasses.replace(config, **{setting: getattr(args, setting) == "on"})
     sparse_keys = dataclasses.replace(config, region_sparse_keys=True)
     sixteen_bit = dataclasses.replace(config, region_kv_8bit=False)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
@@ -241,6 +241,7 @@ def run(args):
            "attention": args.attention, "compile": {"backend": args.compile_backend} if args.compile else None,
            "config": {"steps": n, "probe": p, "resume": k, "latent": list(latent_shape), "repeats": args.repeats,
                       "max_density": args.max_density, "region_kv_triton": config.region_kv_triton,
+                      "region_fa4": config.region_fa4,
                       "easycache_start": args.easycache_start,
                       "easycache_end": args.easycache_end}, "gate_overrides": {}, "cases": {}, "easycache_sweep": {}}
     cases = out["cases"]
@@ -257,6 +258,9 @@ def run(args):
     def new_store(name):
         stores.append(CarnatorStore(os.path.join(store_root, f"{len(stores)}_{name}"), 16 << 30))
         return stores[-1]
+
+    def easycache_model(threshold):
+        return with_easycache(model, threshold, args.easycache_start, args.easycache_end)
 
     def runner_for(m, cfg, steps=n):
         return ComfyRunner(m, positive, negative, cfg=cfg, sampler_name="euler", scheduler="simple", steps=steps,
@@ -429,20 +433,20 @@ def run(args):
                 continue      # EasyCache inside a compiled model recompiles it at every step: not timed so
             if cfg == 1.0:   # the threshold: the one nearest 2x at cfg 1, kept for cfg 5
                 for threshold in (float(t) for t in args.easycache_thresholds.split(",")):
-                    facts, latents[f"easycache {threshold}"] = plain(with_easycache(model, threshold, args), cfg,
+                    facts, latents[f"easycache {threshold}"] = plain(easycache_model(threshold), cfg,
                                                                      f"easycache {threshold}")
                     out["easycache_sweep"][str(threshold)] = facts
                 chosen = min(out["easycache_sweep"], key=lambda t: abs(out["easycache_sweep"][t]["model_calls"] - n / 2))
                 out["easycache_threshold"] = float(chosen)
                 easy, easy_latent = out["easycache_sweep"][chosen], latents[f"easycache {float(chosen)}"]
             else:
-                easy, easy_latent = plain(with_easycache(model, out["easycache_threshold"], args), cfg,
+                easy, easy_latent = plain(easycache_model(out["easycache_threshold"]), cfg,
                                           f"{prefix}easycache")
             cases[prefix + "easycache"] = {**easy, "rel_l2_vs_plain": rel_diff(easy_latent, base_latent)}
             save()
             if cfg != 1.0:
                 continue       # cfg 5: plain, EasyCache and the hit (the list)
-            easy_model = with_easycache(model, out["easycache_threshold"], args)
+            easy_model = easycache_model(out["easycache_threshold"])
             facts, runner, store, calls, miss_latent = miss(easy_model, cfg, "miss+easycache")
             cases["miss+easycache"] = {**facts, "rel_l2_vs_plain": rel_diff(miss_latent, base_latent),
                                        "rel_l2_vs_easycache": rel_diff(miss_latent, easy_latent)}

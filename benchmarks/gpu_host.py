@@ -261,6 +261,12 @@ def noop_self_attention(func, *args, **kwargs):
     return func(*args, **kwargs)
 
 
+def with_easycache(model, threshold: float, start: float = 0.15, end: float = 0.95):
+    """The MODEL with ComfyUI's EasyCache node applied (reuse_threshold, start and end percent)."""
+    from comfy_extras.nodes_easycache import EasyCacheNode
+    return EasyCacheNode.execute(model, threshold, start, end, False)[0]
+
+
 def plain_sample(model, noise, sigmas, positive, negative, seed, callback=None, cfg=1.0):
     import comfy.sample
     import comfy.samplers

@@ -12,7 +12,9 @@ the timed hits, one untimed hit of each variant takes the first run's costs (pin
 Variants: streamed (the default: the kept keys and values, in 8 bits dequantized by the Triton kernel, that do not
 fit within the memory plain sampling needed are streamed from pinned host memory), torch (region_kv_triton off: the
 8 bits dequantized by torch's multiply), resident (region_memory_margin 100: every block on the GPU), 16-bit
-(region_kv_8bit off: kept in the model's 16 bits, streamed as the default's). Each case lists every step's
+(region_kv_8bit off: kept in the model's 16 bits, streamed as the default's), fa4 (region_fa4: the target's attention
+on FlashAttention-4 where it is installed), easycache and easycache fa4 (the same on the model with ComfyUI's EasyCache
+node, --easycache-threshold, from a miss stored with it). Each case lists every step's
 milliseconds in order (step_s.sequence: the probe, step k's capture, the first region step's placement, ...).
 --profile-steps 0 profiles nothing, so that every hit's seconds are unprofiled.
 
@@ -34,10 +36,12 @@ import torch  # noqa: E402
 
 import reports  # noqa: E402
 from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, elapsed_logger, find_comfyui,  # noqa: E402
-                      host_arguments, import_comfy, median, plain_sample, region_hits, shares_list, sync, timed)
+                      host_arguments, import_comfy, median, plain_sample, region_hits, shares_list, sync, timed,
+                      with_easycache)
 
 VARIANTS = {"streamed": {}, "torch": {"region_kv_triton": False}, "resident": {"region_memory_margin": 100.0},
-            "16-bit": {"region_kv_8bit": False}}
+            "16-bit": {"region_kv_8bit": False}, "fa4": {"region_fa4": True}, "easycache": {},
+            "easycache fa4": {"region_fa4": True}}
 
 
 def parse_args(argv=None):
@@ -47,6 +51,8 @@ def parse_args(argv=None):
                         help=f"how the kept keys and values are held, of {', '.join(VARIANTS)}")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="region steps each profile records (0: none, every hit timed unprofiled)")
+    parser.add_argument("--easycache-threshold", type=float, default=0.4,
+                        help="EasyCache's reuse_threshold in the easycache variant (start 0.15, end 0.95)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.variants = [name.strip() for name in args.variants.split(",") if name.strip()]
@@ -55,6 +61,8 @@ def parse_args(argv=None):
         parser.error(f"--variants: {', '.join(unknown) or 'none given'}; choose from {', '.join(VARIANTS)}")
     if args.profile_steps < 0:
         parser.error("--profile-steps must be 0 or more")
+    if not 0 < args.easycache_threshold < 10:
+        parser.error("--easycache-threshold must be above 0 and below 10 (EasyCache's own range)")
     return args
 
 
@@ -185,8 +193,17 @@ def run(args):
             plain_sample(model, noise, runner.sigmas, positive, negative, args.seed)
         out["plain"] = {"seconds": span["seconds"], "peak_bytes": peak.bytes}
         log(f"plain sampling: {span['seconds']:.2f} s")
+        plain_runner, easy_runner = runner, None
         for variant in args.variants:
             hit_config = dataclasses.replace(config, **VARIANTS[variant])
+            runner = plain_runner
+            if variant.startswith("easycache"):   # its own miss: a request's step cache is part of what a hit matches
+                if easy_runner is None:
+                    easy_runner = ComfyRunner(with_easycache(model, args.easycache_threshold), positive, negative,
+                                              cfg=1.0, sampler_name="euler", scheduler="simple", steps=n,
+                                              seed=args.seed)
+                    generate(easy_runner, noise, easy_runner.sigmas, store, config, PROMPT, args.seed)
+                runner = easy_runner
             region_hits(runner, store, hit_config, noise, runner.sigmas, k, args.seed, args.shares[:1], log,
                         lambda latent: {}, f" {variant} (warm-up)")
             for share in args.shares:

@@ -86,10 +86,12 @@ class GenerationObserver:
             self.signature.block_output(self.step, block_index, hidden)
 
     def self_attention(self, block_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       dense: AttentionFn = dense_attention, video_tokens: Optional[int] = None) -> torch.Tensor:
+                       dense: AttentionFn = dense_attention, video_tokens: Optional[int] = None,
+                       host_sdpa: bool = False) -> torch.Tensor:
         """q, k, v: [B, heads, L, D], tokens frame-major. Returns [B, heads, L, D]. With `video_tokens`, the
         attention is joint (HunyuanVideo): the first video_tokens are the video, the rest text; the signature
-        and the connectivity read the video-video part, and sparse attention keeps the text rows and columns dense."""
+        and the connectivity read the video-video part, and sparse attention keeps the text rows and columns dense.
+        `host_sdpa`: `dense` is torch's SDPA (no other kernel chosen), so a region step may run another exact one."""
         video_q, video_k = (q, k) if video_tokens is None else (q[:, :, :video_tokens], k[:, :, :video_tokens])
         if self.signature is not None:
             self.signature.self_attention(self.step, block_index, video_q, video_k)
@@ -97,7 +99,7 @@ class GenerationObserver:
             self.connectivity.self_attention(self.step, block_index, video_q, video_k)
         if self.region is not None:
             if self.region.active:     # target queries over the kept keys: the cached plan is for whole-clip steps
-                return self.region.attend(block_index, q, k, v, dense)
+                return self.region.attend(block_index, q, k, v, dense, host_sdpa)
             k, v = self.region.attention_inputs(block_index, q, k, v)
         if self.sparse is not None and block_index in self.sparse.connectivities:
             return self.sparse.attend(block_index, q, k, v, video_tokens=video_tokens)

@@ -75,6 +75,9 @@ class CarnatorConfig:
     # torch's multiply where Triton cannot run); on since it measured faster (H100: a region step at 10 % 72.8 ms
     # against 81.5)
     region_kv_triton: bool = True
+    # a region step's target attends over every key on FlashAttention-4 (attention.fa4.dense) where it is installed
+    # and the host attends with torch's own SDPA, instead of the host's kernel; off until measured on a GPU
+    region_fa4: bool = False
     max_checkpoints: int = 12
     lookup_limit: int = 3
     gate_overrides: dict = field(default_factory=dict)
@@ -116,7 +119,7 @@ class CarnatorConfig:
                              "GPU memory a request already used that region-only resume may add")
         if not isinstance(self.region_sparse_keys, bool):
             raise ValueError(f"region_sparse_keys must be True or False, got {self.region_sparse_keys!r}")
-        for name in ("region_kv_8bit", "region_kv_triton"):
+        for name in ("region_kv_8bit", "region_kv_triton", "region_fa4"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.region_full_steps, int) or self.region_full_steps < 0:

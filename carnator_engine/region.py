@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .gate import RegionFallback
+from .attention import fa4 as fa4_attention
 from .kept_kv import KeptKeysValues
 
 
@@ -59,7 +60,7 @@ class RegionTokens:
     (kept_kv.KeptKeysValues)."""
 
     def __init__(self, target: torch.Tensor, full_steps: frozenset, memory=None, margin: float = 0.05,
-                 reach: Optional[dict] = None, eight_bit: bool = False, kernel: bool = False):
+                 reach: Optional[dict] = None, eight_bit: bool = False, kernel: bool = False, fa4: bool = False):
         self.target = target.bool().flatten()
         self.length = int(self.target.numel())
         self.kept = self.target.nonzero().flatten()
@@ -70,6 +71,7 @@ class RegionTokens:
         self.slot = -1              # which forward of the step (cond and uncond may run apart)
         # (block, slot) -> the whole clip's keys and values [B, heads, L(+T), D], the target's rows rewritten each step
         self.keys_values = KeptKeysValues(memory, margin, eight_bit, kernel)
+        self.fa4 = fa4              # the target's attention on FlashAttention-4 where it runs (attend)
         # block -> the video key rows the target reaches (None: every row); no entry: every row, as without tables
         self.reach = dict(reach or {})
         self.text_tokens: Optional[int] = None
@@ -231,11 +233,15 @@ class RegionTokens:
         values.index_copy_(2, index, v)
         return keys, values
 
-    def attend(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense) -> torch.Tensor:
+    def attend(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense,
+               host_sdpa: bool = False) -> torch.Tensor:
         """A region step's self-attention, [B, heads, target(+text), D]: `dense(q, k, v)` over the keys and values
         of attention_inputs. A joint model's text queries attend to every row; its target's to the rows it reaches
-        and the text's."""
+        and the text's. With `fa4` on, FlashAttention-4 stands in for `dense` where it runs and `host_sdpa` says
+        `dense` is torch's SDPA (the same exact attention, in a faster kernel; another node's kernel stays)."""
         keys, values = self.attention_inputs(block, q, k, v)
+        if self.fa4 and host_sdpa and fa4_attention.supports(q):
+            dense = fa4_attention.dense
         kept = len(self.kept)
         text = int(k.shape[2]) - kept       # text keys (a padding mask may have dropped some of the text queries')
         if q.shape[2] == kept or self.reach.get(block) is None or keys.shape[2] != self.length + text:

@@ -137,7 +137,7 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
         decision = dataclasses.replace(decision, numbers={**decision.numbers,
                                                           "region_key_share": round(key_share(reach, tokens), 4)})
     region = RegionTokens(tokens, full, getattr(runner, "memory", None), config.region_memory_margin, reach,
-                          config.region_kv_8bit, config.region_kv_triton)
+                          config.region_kv_8bit, config.region_kv_triton, config.region_fa4)
     return decision, region, ""
 
 

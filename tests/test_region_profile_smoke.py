@@ -21,7 +21,11 @@ def test_region_profile_smoke(tmp_path):
     assert report["miss"]["profile_full"]["steps"] == 1 and report["miss"]["full_step_s"] > 0
     assert report["plain"]["seconds"] > 0          # the baseline of every hit's speedup, timed in the same run
     assert set(report["cases"]) == {"region hit 30% streamed", "region hit 30% resident", "region hit 30% 16-bit",
-                                    "region hit 30% torch"}
+                                    "region hit 30% torch", "region hit 30% fa4", "region hit 30% easycache",
+                                    "region hit 30% easycache fa4"}
+    # the easycache variant ran on the EasyCache model: a region step answered without a forward
+    assert report["cases"]["region hit 30% easycache"]["model_calls"] < \
+        report["cases"]["region hit 30% streamed"]["model_calls"]
     for case in report["cases"].values():
         assert case["region_only"] and case["speedup_vs_plain"] == report["plain"]["seconds"] / case["seconds"]
         kinds = case["step_s"]

@@ -170,6 +170,18 @@ def test_region_settings_are_validated_with_the_fix():
         CarnatorConfig(region_full_steps=-1).validate(10)
     with pytest.raises(ValueError, match="region_only must be True or False"):
         CarnatorConfig(region_only="yes").validate(10)
+    with pytest.raises(ValueError, match="region_fa4 must be True or False"):
+        CarnatorConfig(region_fa4=1).validate(10)
+
+
+def test_region_fa4_reaches_the_region_steps_off_by_default(live_tiny_model, store):
+    """CarnatorConfig.region_fa4 (off until measured on a GPU) is handed to the region's attention."""
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_max_share=1.0)
+    payload = store.trajectory(store.record(decision.entry_id))
+    for setting, expected in (({}, False), ({"region_fa4": True}, True)):
+        _, region, _ = resume_stage.plan_region(runner, probed, decision, payload,
+                                                dataclasses.replace(config, **setting))
+        assert region is not None and region.fa4 is expected
 
 
 def test_block_arguments_are_cut_along_their_token_axis_and_put_back():

@@ -372,6 +372,20 @@ def test_fa4_matches_f64_reference_cuda(L):
 
 
 @needs_cuda
+def test_fa4_dense_is_exact_attention_of_fewer_queries_over_every_key_cuda():
+    """attention.fa4.dense (a region step's target over the whole clip, CarnatorConfig.region_fa4): queries and keys
+    of different lengths, [B, H, L, D] views of [B, L, H*D] projections as the hosts make them."""
+    if not sa.fa4_attention.supports(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda")):
+        pytest.skip("needs flash-attn-4 (the gpu extra) and a Hopper-or-newer GPU")
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, length, 4 * 128, generator=generator, device="cuda", dtype=torch.bfloat16)
+               .view(2, length, 4, 128).transpose(1, 2) for length in (300, 1000, 1000))
+    out = sa.fa4_attention.dense(q, k, v)
+    reference = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert out.shape == q.shape and float((out.double() - reference).norm() / reference.norm()) < 1e-2
+
+
+@needs_cuda
 def test_plan_attend_cuda_reuses_block_mask():
     L, bs = 1000, 128
     q, k, v = qkv(L=L, D=64, dtype=torch.bfloat16, device="cuda", seed=3)

@@ -1,4 +1,4 @@
-"""Block-sparse attention on FlashAttention-4 (the `flash-attn-4` package, CuTe DSL kernels).
+"""Block-sparse and dense attention on FlashAttention-4 (the `flash-attn-4` package, CuTe DSL kernels).
 
 Optional: installed with the `gpu` extra on Hopper or newer GPUs. On an H200 (bf16, D=128, L=32760, block
 128) it runs a 0.3-density table in 3.16 ms against 11.70 ms for dense cuDNN attention (0.27 of dense) where
@@ -6,7 +6,8 @@ flex_attention needs 4.67-5.09 ms (0.40-0.43): benchmarks/results/kernels/fa4_h2
 
 Every allowed block pair is a *full* block for the kernel (no mask function), so the result is exact
 attention under the block table, as with the other backends. Tokens past the sequence end in a partial last
-block are bounded by the kernel's own sequence length.
+block are bounded by the kernel's own sequence length. `dense` runs the same kernel without a table (a region
+step's target over every key: benchmarks/results/kernels/fa4_h200.json has it at 9.83 ms where cuDNN took 11.70).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _interface():
     return interface, BlockSparseTensorsTorch
 
 
-def supports(q: torch.Tensor, block_size: int) -> bool:
+def supports(q: torch.Tensor, block_size: int = KERNEL_BLOCK) -> bool:
     """True when FA4 can run this problem: installed, a Hopper-or-newer GPU, 16-bit floats, D a multiple of
     16 up to 128 (the head sizes whose tiles match the 128-token blocks), and blocks of whole tiles."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
@@ -55,10 +56,20 @@ def prepare(table: torch.Tensor, block_size: int, scale: float | None) -> Callab
         full_block_cnt=full_counts, full_block_idx=full_indices, block_size=(block_size, block_size))
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # [B, H, L, D] views of the hosts' [B, L, H*D] projections are [B, L, H, D] in memory already
-        q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
-        q4, k4, v4 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4))
-        out, _ = interface.flash_attn_func(q4, k4, v4, softmax_scale=scale, block_sparse_tensors=sparse)
-        return out.transpose(1, 2)
+        return _attend(interface, q, k, v, scale, sparse)
 
     return run
+
+
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Exact attention of q [B, H, Lq, D] over k, v [B, H, Lk, D] (Lq may differ from Lk) -> [B, H, Lq, D];
+    only where `supports(q)`."""
+    return _attend(_interface()[0], q, k, v, scale, None)
+
+
+def _attend(interface, q, k, v, scale, sparse) -> torch.Tensor:
+    # [B, H, L, D] views of the hosts' [B, L, H*D] projections are [B, L, H, D] in memory already
+    q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
+    q4, k4, v4 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4))
+    out, _ = interface.flash_attn_func(q4, k4, v4, softmax_scale=scale, block_sparse_tensors=sparse)
+    return out.transpose(1, 2)

@@ -439,8 +439,10 @@ def _attention_override(previous, joint_text: bool):
             return out
 
         video = tokens if length_q > tokens else None
+        # ComfyUI's own SDPA, no other node's override: another exact kernel may stand in (a region step's fa4)
+        host_sdpa = previous is None and getattr(func, "__name__", None) == "attention_pytorch"
         out = run.observer.self_attention(int(block), to_heads(q), to_heads(k), to_heads(v), dense=dense,
-                                          video_tokens=video)
+                                          video_tokens=video, host_sdpa=host_sdpa)
         if merged_out:
             return out.transpose(1, 2).reshape(batch, out.shape[2], heads * head_dim)
         return out

@@ -91,7 +91,7 @@ class RecordingObserver:
     def block_output(self, index, hidden):
         self.blocks.add((self.inner.step, index, tuple(hidden.shape)))
 
-    def self_attention(self, index, q, k, v, dense, video_tokens=None):
+    def self_attention(self, index, q, k, v, dense, video_tokens=None, host_sdpa=False):
         assert video_tokens is None                          # Wan attends over the video tokens alone
         self.attention += 1
         assert q.dim() == 4 and q.shape[2] == 320          # [B, heads, L, D], L = 5*8*8 video tokens

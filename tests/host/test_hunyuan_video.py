@@ -41,7 +41,7 @@ class JointObserver:
     def block_output(self, index, hidden):
         self.blocks.add((index, tuple(hidden.shape)))
 
-    def self_attention(self, index, q, k, v, dense, video_tokens=None):
+    def self_attention(self, index, q, k, v, dense, video_tokens=None, host_sdpa=False):
         self.attention.append((index, q.shape[2], k.shape[2], video_tokens))
         return dense(q, k, v)
 

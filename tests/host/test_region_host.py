@@ -253,3 +253,36 @@ def test_a_region_step_with_8_bit_kept_keys_gives_the_target_nearly_the_full_ste
     inside = latent_mask_of_tokens(runner.layout, target, shape[-3:])
     error = float((part[..., inside] - full[..., inside]).abs().max())
     assert 0 < error <= 2e-2 * max(1.0, float(full.abs().max()))
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_region_fa4_stands_in_only_for_the_hosts_own_sdpa(comfy, plugin, host_dirs, monkeypatch, chained):
+    """CarnatorConfig.region_fa4: a region step's target attention runs on attention.fa4.dense where it runs (here a
+    stand-in computing torch's SDPA: the CPU has no FA4) when ComfyUI attends with its own SDPA (attention_pytorch,
+    as on a GPU); under another node's attention override that node's kernel stays. The full step never uses it."""
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.wan.model as wan
+    from carnator_engine.attention import fa4
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.region import RegionTokens
+    calls = []
+
+    def stand_in(q, k, v, scale=None):
+        calls.append((q.shape[2], k.shape[2]))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    monkeypatch.setattr(fa4, "supports", lambda q, block_size=fa4.KERNEL_BLOCK: True)
+    monkeypatch.setattr(fa4, "dense", stand_in)
+    monkeypatch.setattr(wan, "optimized_attention", attention.attention_pytorch)
+    model, (positive, negative), shape, blocks = _backbone(comfy, "wan2.1", host_dirs["models"])
+    if chained:
+        def other_node(func, *args, **kwargs):
+            return func(*args, **kwargs)
+        model.model_options["transformer_options"]["optimized_attention_override"] = other_node
+    runner = ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
+    target = _corner(runner, shape)
+    full, part, _, forwards = _full_then_region(runner, model, blocks, shape,
+                                                RegionTokens(target, frozenset({REGION_STEP}), fa4=True))
+    _same_target(runner, target, shape, full, part)
+    layers = len(getattr(model.model.diffusion_model, blocks))
+    expected = [] if chained else [(int(target.sum()), target.numel())] * (layers * forwards)
+    assert calls == expected
