@@ -13,12 +13,16 @@ L = 21 x 30 x 52 = 32760 tokens, bf16, block 128.
 3. With --fa4: the FlashAttention-4 kernel as a hit runs it (BlockSparseAttention, backend fa4) at each density
    and all-True, random tables: its first call (the compile), its error against masked SDPA, its timings; where
    flash-attn-4 cannot run, each row says why.
+4. With --region-shares: a region step's target attention (CarnatorConfig.region_fa4), the first share of the
+   queries over every key, by the default SDPA and by FA4 dense (attention.fa4.dense), each row its error and times.
+--skip-flex leaves out the FlexAttention parts (correctness at the benchmark size, flex timings, its options).
 
 Prints a table and writes JSON (--out, default benchmarks/out/attention_kernels.json).
 ``--smoke`` runs a tiny CPU-sized problem through the same code (used by the tests).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/attention_kernels.py --out $OUT/attention_kernels.json
     python3 benchmarks/attention_kernels.py --fa4 --no-extra-checks --out $OUT/fa4.json     # with flash-attn-4
+    python3 benchmarks/attention_kernels.py --fa4 --skip-flex --region-shares 0.1,0.3 --out $OUT/fa4_region.json
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [folder for folder in (str(ROOT), str(ROOT / "benchmarks")) if folder not in sys.path]
 
+from carnator_engine.attention import fa4 as fa4_attention  # noqa: E402
 from carnator_engine.attention import sparse as sa  # noqa: E402
 from gpu_host import time_fn  # noqa: E402
 
@@ -141,6 +146,27 @@ def fa4_rows(q, k, v, tables: dict, bs: int, runs: int, warmup: int, cuda: bool)
     return rows
 
 
+def region_rows(q, k, v, shares: list, runs: int, warmup: int, cuda: bool) -> list:
+    """A region step's target attention, one row per query share: the first share of the queries over every key by
+    the default SDPA and by FA4 dense (its error against SDPA), or why FA4 cannot run here ("error")."""
+    rows = []
+    for share in shares:
+        part = q[:, :, : max(1, round(share * q.shape[2]))]
+        reference = F.scaled_dot_product_attention(part, k, v)
+        row = {"query_share": share, "queries": int(part.shape[2]),
+               "sdpa": time_fn(lambda: F.scaled_dot_product_attention(part, k, v), runs, warmup, cuda)}
+        if not fa4_attention.supports(part):
+            row["error"] = "flash-attn-4 cannot run here (it needs the package, a Hopper-or-newer GPU, 16-bit floats)"
+        else:
+            row["rel_err_fa4_vs_sdpa"] = rel_err(fa4_attention.dense(part, k, v), reference)
+            row["fa4"] = time_fn(lambda: fa4_attention.dense(part, k, v), runs, warmup, cuda)
+            row["fa4_vs_sdpa"] = row["fa4"]["median_ms"] / row["sdpa"]["median_ms"]
+        print(f"  region share {share}: sdpa {row['sdpa']['median_ms']:.3f} ms, " +
+              (row["error"] if "error" in row else f"fa4 {row['fa4']['median_ms']:.3f} ms"), flush=True)
+        rows.append(row)
+    return rows
+
+
 # ----------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------
@@ -162,7 +188,16 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-extra-checks", action="store_true", help="skip the small other-block-size checks")
     p.add_argument("--fa4", action="store_true", help="also the FlashAttention-4 block-sparse kernel (flash-attn-4)")
+    p.add_argument("--region-shares", default="",
+                   help="query shares of a region step's target attention, SDPA against FA4 dense (empty: none)")
+    p.add_argument("--skip-flex", action="store_true", help="leave out the FlexAttention correctness and timings")
     args = p.parse_args(argv)
+    try:
+        args.region_shares = [float(x) for x in args.region_shares.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--region-shares {args.region_shares!r}: give shares such as 0.1,0.3")
+    if any(not 0 < share <= 1 for share in args.region_shares):
+        p.error(f"--region-shares {args.region_shares}: each share must be in (0, 1]")
     if args.smoke:
         args.frames, args.height, args.width = 3, 4, 5  # L = 60, last block partial
         args.heads, args.dim, args.block = 2, 16, 16
@@ -221,56 +256,57 @@ def main(argv=None) -> dict:
     def sparse(q, k, v, conn):
         return sa.block_sparse_attention(q, k, v, conn, bs, backend=backend)
 
-    # -- 1. correctness at the benchmark size (fresh inputs) -------------------
-    t0 = time.perf_counter()
-    q, k, v = rand_qkv(args.seed + 1)
-    rows = torch.cat([
-        torch.arange(0, min(L, 64)),                                    # first block
-        torch.randint(0, L, (128,), generator=gen),                     # random rows
-        torch.arange(max(0, L - 64), L),                                # partial last block
-    ]).to(dev)
-    checks = {}
-    for cname, conn in (("random_d0.3", random_connectivity(nb, 0.3, gen)),
-                        ("band_d0.3", band_connectivity(nb, 0.3))):
-        out = sparse(q, k, v, conn)
-        ref_masked = sa.block_sparse_attention(q, k, v, conn, bs, backend="sdpa")
-        ref64 = ref_rows_f64(q, k, v, conn, bs, rows, scale)
-        checks[cname] = {
-            "density": sa.density(conn, bs, L),
-            "finite": bool(torch.isfinite(out).all()),
-            f"rel_err_{sparse_name}_vs_sdpa_masked": rel_err(out, ref_masked),
-            f"rel_err_{sparse_name}_vs_f64_rows": rel_err(out[:, :, rows], ref64),
-            "rel_err_sdpa_masked_vs_f64_rows": rel_err(ref_masked[:, :, rows], ref64),
-        }
-        del out, ref_masked, ref64
-    dense_out = F.scaled_dot_product_attention(q, k, v)
-    checks["dense_sdpa_vs_f64_rows"] = rel_err(dense_out[:, :, rows], ref_rows_f64(q, k, v, None, bs, rows, scale))
     full = torch.ones(nb, nb, dtype=torch.bool)
-    checks[f"rel_err_{sparse_name}_all_true_vs_dense_sdpa"] = rel_err(sparse(q, k, v, full), dense_out)
-    del q, k, v, dense_out
-    result["correctness"]["main"] = checks
-    print(f"correctness (main size) in {time.perf_counter() - t0:.1f}s: {json.dumps(checks, indent=1)}", flush=True)
-
-    # -- 1b. other block sizes, small shapes (flex tiling paths) ---------------
-    if cuda and not args.no_extra_checks:
-        extra = {}
-        for ebs, el in ((64, 1500), (192, 1500), (256, 1500)):
-            g = torch.Generator(device=dev).manual_seed(ebs)
-            eq, ek, ev = [torch.randn(1, 2, el, 64, device=dev, dtype=dtype, generator=g) for _ in range(3)]
-            enb = sa.num_blocks(el, ebs)
-            conn = random_connectivity(enb, 0.35, gen)
-            t1 = time.perf_counter()
-            out = sa.block_sparse_attention(eq, ek, ev, conn, ebs, backend="flex")
-            erows = torch.arange(el, device=dev)
-            extra[f"block{ebs}_L{el}"] = {
-                "rel_err_flex_vs_f64": rel_err(out, ref_rows_f64(eq, ek, ev, conn, ebs, erows, 1 / 8)),
-                "rel_err_sdpa_masked_vs_f64": rel_err(
-                    sa.block_sparse_attention(eq, ek, ev, conn, ebs, backend="sdpa"),
-                    ref_rows_f64(eq, ek, ev, conn, ebs, erows, 1 / 8)),
-                "first_call_s": time.perf_counter() - t1,
+    if not args.skip_flex:      # sections 1 and 1b check the flex kernel
+        # -- 1. correctness at the benchmark size (fresh inputs) -------------------
+        t0 = time.perf_counter()
+        q, k, v = rand_qkv(args.seed + 1)
+        rows = torch.cat([
+            torch.arange(0, min(L, 64)),                                    # first block
+            torch.randint(0, L, (128,), generator=gen),                     # random rows
+            torch.arange(max(0, L - 64), L),                                # partial last block
+        ]).to(dev)
+        checks = {}
+        for cname, conn in (("random_d0.3", random_connectivity(nb, 0.3, gen)),
+                            ("band_d0.3", band_connectivity(nb, 0.3))):
+            out = sparse(q, k, v, conn)
+            ref_masked = sa.block_sparse_attention(q, k, v, conn, bs, backend="sdpa")
+            ref64 = ref_rows_f64(q, k, v, conn, bs, rows, scale)
+            checks[cname] = {
+                "density": sa.density(conn, bs, L),
+                "finite": bool(torch.isfinite(out).all()),
+                f"rel_err_{sparse_name}_vs_sdpa_masked": rel_err(out, ref_masked),
+                f"rel_err_{sparse_name}_vs_f64_rows": rel_err(out[:, :, rows], ref64),
+                "rel_err_sdpa_masked_vs_f64_rows": rel_err(ref_masked[:, :, rows], ref64),
             }
-        result["correctness"]["other_block_sizes"] = extra
-        print(f"correctness (other block sizes): {json.dumps(extra, indent=1)}", flush=True)
+            del out, ref_masked, ref64
+        dense_out = F.scaled_dot_product_attention(q, k, v)
+        checks["dense_sdpa_vs_f64_rows"] = rel_err(dense_out[:, :, rows], ref_rows_f64(q, k, v, None, bs, rows, scale))
+        checks[f"rel_err_{sparse_name}_all_true_vs_dense_sdpa"] = rel_err(sparse(q, k, v, full), dense_out)
+        del q, k, v, dense_out
+        result["correctness"]["main"] = checks
+        print(f"correctness (main size) in {time.perf_counter() - t0:.1f}s: {json.dumps(checks, indent=1)}", flush=True)
+
+        # -- 1b. other block sizes, small shapes (flex tiling paths) ---------------
+        if cuda and not args.no_extra_checks:
+            extra = {}
+            for ebs, el in ((64, 1500), (192, 1500), (256, 1500)):
+                g = torch.Generator(device=dev).manual_seed(ebs)
+                eq, ek, ev = [torch.randn(1, 2, el, 64, device=dev, dtype=dtype, generator=g) for _ in range(3)]
+                enb = sa.num_blocks(el, ebs)
+                conn = random_connectivity(enb, 0.35, gen)
+                t1 = time.perf_counter()
+                out = sa.block_sparse_attention(eq, ek, ev, conn, ebs, backend="flex")
+                erows = torch.arange(el, device=dev)
+                extra[f"block{ebs}_L{el}"] = {
+                    "rel_err_flex_vs_f64": rel_err(out, ref_rows_f64(eq, ek, ev, conn, ebs, erows, 1 / 8)),
+                    "rel_err_sdpa_masked_vs_f64": rel_err(
+                        sa.block_sparse_attention(eq, ek, ev, conn, ebs, backend="sdpa"),
+                        ref_rows_f64(eq, ek, ev, conn, ebs, erows, 1 / 8)),
+                    "first_call_s": time.perf_counter() - t1,
+                }
+            result["correctness"]["other_block_sizes"] = extra
+            print(f"correctness (other block sizes): {json.dumps(extra, indent=1)}", flush=True)
 
     # -- 2. timing -------------------------------------------------------------
     q, k, v = rand_qkv(args.seed + 2)
@@ -299,30 +335,31 @@ def main(argv=None) -> dict:
     except Exception:
         pass
 
-    def sparse_variants(conn):
-        """(name, fn): the kernel alone (BlockMask built beforehand) and the whole call."""
-        if cuda:
-            kernel = sa.prepare_flex(q, k, v, conn, bs)
-            return [("flex_kernel", lambda: kernel(q, k, v)), ("flex_call", lambda: sparse(q, k, v, conn))]
-        return [(sparse_name, lambda: sparse(q, k, v, conn))]
-
-    for name, fn in sparse_variants(full):
-        record(name, 1.0, "all", time_fn(fn, args.runs, args.warmup, cuda), {"target_density": 1.0})
-    for d in densities:
-        for pattern, conn in (("random", random_connectivity(nb, d, gen)), ("band", band_connectivity(nb, d))):
-            real_d = sa.density(conn, bs, L)
-            extra = {"target_density": d}
+    if not args.skip_flex:
+        def sparse_variants(conn):
+            """(name, fn): the kernel alone (BlockMask built beforehand) and the whole call."""
             if cuda:
-                conn_dev = conn.to(dev)
-                tb = time_fn(lambda: sa.build_block_mask(conn_dev, bs, L, L), args.runs, 2, cuda)
-                extra["block_mask_build_ms"] = tb["median_ms"]
-            for name, fn in sparse_variants(conn):
-                record(name, real_d, pattern, time_fn(fn, args.runs, args.warmup, cuda), extra)
-    # the plan object: BlockMask built once per transformer block, as on a cache hit
-    conn = random_connectivity(nb, 0.3, gen)
-    plan = sa.BlockSparseAttention({0: conn}, block_size=bs, seq_len=L)
-    record("plan_attend", sa.density(conn, bs, L), "random",
-           time_fn(lambda: plan.attend(0, q, k, v), args.runs, args.warmup, cuda))
+                kernel = sa.prepare_flex(q, k, v, conn, bs)
+                return [("flex_kernel", lambda: kernel(q, k, v)), ("flex_call", lambda: sparse(q, k, v, conn))]
+            return [(sparse_name, lambda: sparse(q, k, v, conn))]
+
+        for name, fn in sparse_variants(full):
+            record(name, 1.0, "all", time_fn(fn, args.runs, args.warmup, cuda), {"target_density": 1.0})
+        for d in densities:
+            for pattern, conn in (("random", random_connectivity(nb, d, gen)), ("band", band_connectivity(nb, d))):
+                real_d = sa.density(conn, bs, L)
+                extra = {"target_density": d}
+                if cuda:
+                    conn_dev = conn.to(dev)
+                    tb = time_fn(lambda: sa.build_block_mask(conn_dev, bs, L, L), args.runs, 2, cuda)
+                    extra["block_mask_build_ms"] = tb["median_ms"]
+                for name, fn in sparse_variants(conn):
+                    record(name, real_d, pattern, time_fn(fn, args.runs, args.warmup, cuda), extra)
+        # the plan object: BlockMask built once per transformer block, as on a cache hit
+        conn = random_connectivity(nb, 0.3, gen)
+        plan = sa.BlockSparseAttention({0: conn}, block_size=bs, seq_len=L)
+        record("plan_attend", sa.density(conn, bs, L), "random",
+               time_fn(lambda: plan.attend(0, q, k, v), args.runs, args.warmup, cuda))
 
     if args.fa4:
         result["fa4"] = fa4_rows(q, k, v, {d: random_connectivity(nb, d, gen) for d in densities} | {1.0: full},
@@ -332,7 +369,7 @@ def main(argv=None) -> dict:
                 record("fa4_plan", row["density"], "random", row)
 
     # flex kernel options (same tables; each variant is checked before it is timed)
-    if cuda:
+    if cuda and not args.skip_flex:
         tuning = []
         conn_check = random_connectivity(nb, 0.3, gen)
         ref = sa.block_sparse_attention(q, k, v, conn_check, bs, backend="sdpa")
@@ -357,10 +394,13 @@ def main(argv=None) -> dict:
         result["flex_kernel_options"] = tuning
 
     # what the exact fallback costs at one density (dense work plus an L x L mask)
-    conn = random_connectivity(nb, 0.3, gen)
-    record("sdpa_masked", sa.density(conn, bs, L), "random",
-           time_fn(lambda: sa.block_sparse_attention(q, k, v, conn, bs, backend="sdpa"),
-                   max(3, args.runs // 3), 2, cuda))
+    if not args.skip_flex:
+        conn = random_connectivity(nb, 0.3, gen)
+        record("sdpa_masked", sa.density(conn, bs, L), "random",
+               time_fn(lambda: sa.block_sparse_attention(q, k, v, conn, bs, backend="sdpa"),
+                       max(3, args.runs // 3), 2, cuda))
+    if args.region_shares:
+        result["region"] = region_rows(q, k, v, args.region_shares, args.runs, args.warmup, cuda)
 
     dense_times = [r["median_ms"] for r in rows_out if r["pattern"] == "dense"]
     best_dense = min(dense_times)

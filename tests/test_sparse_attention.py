@@ -432,3 +432,20 @@ def test_benchmark_smoke(tmp_path):
     # FlashAttention-4 cannot run on a CPU: each of its rows says why instead of failing the benchmark
     assert [row["target_density"] for row in data["fa4"]] == [0.1, 0.2, 0.3, 0.5, 1.0]
     assert all("flash-attn-4" in row["error"] for row in data["fa4"])
+
+
+def test_benchmark_smoke_region_rows_without_flex(tmp_path):
+    """attention_kernels.py --skip-flex --region-shares: the dense kernels and the region step's target attention
+    (SDPA against FA4 dense, each row why FA4 cannot run on a CPU), no flex part."""
+    spec = importlib.util.spec_from_file_location("attention_kernels", ROOT / "benchmarks" / "attention_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ak.json"
+    mod.main(["--smoke", "--skip-flex", "--region-shares", "0.1,0.3", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["correctness"] == {} and {row["pattern"] for row in data["timing"]} == {"dense"}
+    assert [row["query_share"] for row in data["region"]] == [0.1, 0.3]
+    assert [row["queries"] for row in data["region"]] == [6, 18]          # of L = 60 smoke tokens
+    assert all(row["sdpa"]["median_ms"] > 0 and "flash-attn-4" in row["error"] for row in data["region"])
+    with pytest.raises(SystemExit):
+        mod.main(["--smoke", "--region-shares", "1.5"])
