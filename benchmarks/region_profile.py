@@ -6,8 +6,9 @@ values are held) and target share, one region-only hit resumed at k as gpu_compo
 step's wall time is taken at the step boundaries (CUDA synchronised): the probe's full steps, the full step k that
 captures the other tokens' keys and values, and the region steps; the hit's whole time beside them. torch.profiler
 records one full step of the probe (the baseline: a plain step) and --profile-steps region steps of each hit: ops by
-self GPU time, and how much of the steps' wall time the GPU was busy (below 100 %: the steps wait on the CPU). Before
-the timed hits, one untimed hit of each variant takes the first run's costs (pinning host memory).
+self GPU time, and how much of the steps' wall time the GPU was busy (below 100 %: the steps wait on the CPU); after
+each hit, the host-to-GPU copy rate (host_link_gbps). Before the timed hits, one untimed hit of each variant takes
+the first run's costs (pinning host memory).
 
 Variants: streamed (the default: the kept keys and values, in 8 bits dequantized by the Triton kernel, that do not
 fit within the memory plain sampling needed are streamed from pinned host memory), torch (region_kv_triton off: the
@@ -130,6 +131,28 @@ class StepClock:
         self._profiler, self.profiled = None, None
 
 
+class HostLink:
+    """The host-to-GPU copy rate right after a hit (GB/s, median of three 512 MiB copies from pinned memory): a region
+    step streams its kept keys and values over that link, so a slow hit beside a slow link points at the link."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.source = torch.empty(1 << 29, dtype=torch.uint8, pin_memory=True) if device.type == "cuda" else None
+
+    def gbps(self):
+        if self.source is None:
+            return None                # the CPU: no link
+        target = torch.empty_like(self.source, device=self.device)    # only meanwhile: the hits' peaks stay theirs
+        rates = []
+        for _ in range(3):
+            sync()
+            started = time.perf_counter()
+            target.copy_(self.source, non_blocking=True)
+            sync()
+            rates.append(self.source.numel() / (time.perf_counter() - started) / 1e9)
+        return median(rates)
+
+
 def profile_table(profiler, wall: float, steps: int, cuda: bool) -> dict:
     """The profiled steps' wall time, the GPU's busy time and the top ops by self time. On CUDA the busy time sums the
     kernels and copies (on every stream: a side stream's copies overlapping the compute count too) and the ops are the
@@ -194,6 +217,7 @@ def run(args):
         out["plain"] = {"seconds": span["seconds"], "peak_bytes": peak.bytes}
         log(f"plain sampling: {span['seconds']:.2f} s")
         plain_runner, easy_runner = runner, None
+        link = HostLink(device)
         for variant in args.variants:
             hit_config = dataclasses.replace(config, **VARIANTS[variant])
             runner = plain_runner
@@ -215,7 +239,8 @@ def run(args):
                 for step, kind, seconds in steps:
                     kinds.setdefault(kind, []).append(seconds)
                 sequence = [f"{step}{kind[0]} {seconds * 1e3:.1f}" for step, kind, seconds in steps]
-                case.update({"speedup_vs_plain": out["plain"]["seconds"] / case["seconds"],
+                case.update({"host_link_gbps": link.gbps(),
+                             "speedup_vs_plain": out["plain"]["seconds"] / case["seconds"],
                              "peak_vs_plain": case["peak_bytes"] / out["plain"]["peak_bytes"] - 1
                              if out["plain"]["peak_bytes"] else None,       # the CPU has no peak to read
                              "step_s": {**{kind: {"median": median(values), "count": len(values),
@@ -226,7 +251,8 @@ def run(args):
                 region = case["profile_region"] or {}
                 log(f"{name}: {case['seconds']:.2f} s; region step {median(kinds.get('region', [])) * 1e3:.1f} ms x "
                     f"{len(kinds.get('region', []))}, full step {median(kinds.get('full', [])) * 1e3:.1f} ms x "
-                    f"{len(kinds.get('full', []))}; profiled: {region.get('busy_share') or 0:.0%} busy")
+                    f"{len(kinds.get('full', []))}; profiled: {region.get('busy_share') or 0:.0%} busy; host link "
+                    f"{case['host_link_gbps'] or 0:.1f} GB/s")
                 reports.write(args.out, out)
     finally:
         store.close()
@@ -240,13 +266,15 @@ def run(args):
 def print_table(out) -> None:
     print(f"\n{out['device']}, torch {out['torch']}; a full step of the miss {out['miss']['full_step_s'] * 1e3:.1f} ms")
     print(f"plain sampling {out['plain']['seconds']:.2f} s, peak {out['plain']['peak_bytes'] / 2**30:.2f} GiB")
-    print(f"{'case':<28} {'s':>7} {'vs plain':>9} {'region step ms':>15} {'busy':>6} {'peak GiB':>9} {'vs plain':>9}")
+    print(f"{'case':<28} {'s':>7} {'vs plain':>9} {'region step ms':>15} {'busy':>6} {'peak GiB':>9} {'vs plain':>9} "
+          f"{'link GB/s':>10}")
     for name, case in out["cases"].items():
         region = case["step_s"].get("region", {})
         busy = (case.get("profile_region") or {}).get("busy_share")
         print(f"{name:<28} {case['seconds']:>7.2f} {case['speedup_vs_plain']:>8.2f}x "
               f"{region.get('median', float('nan')) * 1e3:>15.1f} {(busy or 0) * 100:>5.0f}% "
-              f"{case['peak_bytes'] / 2**30:>9.2f} {(case['peak_vs_plain'] or 0) * 100:>+8.1f}%")
+              f"{case['peak_bytes'] / 2**30:>9.2f} {(case['peak_vs_plain'] or 0) * 100:>+8.1f}% "
+              f"{case.get('host_link_gbps') or 0:>10.1f}")
     for name, profile in [("full step (miss)", out["miss"]["profile_full"])] + \
             [(name, case["profile_region"]) for name, case in out["cases"].items() if case.get("profile_region")]:
         print(f"\n{name}: {profile['wall_s_per_step'] * 1e3:.1f} ms a step, {profile['clock']} busy "

@@ -28,6 +28,7 @@ def test_region_profile_smoke(tmp_path):
         report["cases"]["region hit 30% streamed"]["model_calls"]
     for case in report["cases"].values():
         assert case["region_only"] and case["speedup_vs_plain"] == report["plain"]["seconds"] / case["seconds"]
+        assert case["host_link_gbps"] is None          # the CPU has no host-to-GPU link to time
         kinds = case["step_s"]
         # the probe's steps and step k run every token, then the region steps, then the last full step (the seam)
         assert kinds["full"]["count"] == probe + 2 and kinds["region"]["count"] == steps - k - 2
