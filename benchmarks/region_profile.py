@@ -193,8 +193,11 @@ def run(args):
     noise = torch.randn(tuple(preset["latent"]), generator=generator)
     context = torch.randn(1, preset["text_len"], TEXT_DIM, generator=generator)
     positive, negative = [[context, {}]], [[torch.zeros_like(context), {}]]
-    runner = ComfyRunner(model, positive, negative, cfg=1.0, sampler_name="euler", scheduler="simple", steps=n,
-                         seed=args.seed)
+
+    def runner_on(m):
+        return ComfyRunner(m, positive, negative, cfg=1.0, sampler_name="euler", scheduler="simple", steps=n,
+                           seed=args.seed)
+    runner = runner_on(model)
     config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=0.3, region_only=False)
     out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
@@ -223,9 +226,7 @@ def run(args):
             runner = plain_runner
             if variant.startswith("easycache"):   # its own miss: a request's step cache is part of what a hit matches
                 if easy_runner is None:
-                    easy_runner = ComfyRunner(with_easycache(model, args.easycache_threshold), positive, negative,
-                                              cfg=1.0, sampler_name="euler", scheduler="simple", steps=n,
-                                              seed=args.seed)
+                    easy_runner = runner_on(with_easycache(model, args.easycache_threshold))
                     generate(easy_runner, noise, easy_runner.sigmas, store, config, PROMPT, args.seed)
                 runner = easy_runner
             region_hits(runner, store, hit_config, noise, runner.sigmas, k, args.seed, args.shares[:1], log,
