@@ -32,7 +32,6 @@ import argparse
 import gc
 import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -441,8 +440,7 @@ def run(args):
     version = gs.import_comfy(path, cpu=not cuda)
     started = time.perf_counter()
     specs = SMOKE if args.smoke else with_video(BACKBONES, args.video, args.only.split(","))
-    out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-           "torch": torch.__version__, "comfyui_version": version, "dtype": str(dtype), "steps": n, "probe": p,
+    out = {**gs.machine_facts(device, version), "dtype": str(dtype), "steps": n, "probe": p,
            "resume": k, "max_density": args.max_density, "gate_overrides": {}, "smoke": args.smoke, "results": {}}
 
     def save():

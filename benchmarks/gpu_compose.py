@@ -60,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -74,8 +73,8 @@ import torch  # noqa: E402
 
 import reports  # noqa: E402
 from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, carnator_hit, elapsed_logger,  # noqa: E402
-                       find_comfyui, host_arguments, import_comfy, median, plain_sample, region_hits, rel_diff,
-                       shares_list, timed, with_easycache)
+                       find_comfyui, host_arguments, import_comfy, machine_facts, median, plain_sample, region_hits,
+                       rel_diff, shares_list, timed, with_easycache)
 
 
 ONOFF_SETTINGS = {"region_kv_triton": "8-bit kept keys and values dequantized by the Triton kernel",
@@ -236,8 +235,7 @@ def run(args):
             config = dataclasses.replace(config, **{setting: getattr(args, setting) == "on"})
     sparse_keys = dataclasses.replace(config, region_sparse_keys=True)
     sixteen_bit = dataclasses.replace(config, region_kv_8bit=False)
-    out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-           "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
+    out = {**machine_facts(device, version), "params": params, "dtype": str(dtype),
            "attention": args.attention, "compile": {"backend": args.compile_backend} if args.compile else None,
            "config": {"steps": n, "probe": p, "resume": k, "latent": list(latent_shape), "repeats": args.repeats,
                       "max_density": args.max_density, "region_kv_triton": config.region_kv_triton,

@@ -10,13 +10,14 @@ self GPU time, and how much of the steps' wall time the GPU was busy (below 100 
 each hit, the host-to-GPU copy rate (host_link_gbps). Before the timed hits, one untimed hit of each variant takes
 the first run's costs (pinning host memory).
 
-Variants: streamed (the default: the kept keys and values, in 8 bits dequantized by the Triton kernel, that do not
-fit within the memory plain sampling needed are streamed from pinned host memory), torch (region_kv_triton off: the
-8 bits dequantized by torch's multiply), resident (region_memory_margin 100: every block on the GPU), 16-bit
-(region_kv_8bit off: kept in the model's 16 bits, streamed as the default's), fa4 (region_fa4: the target's attention
-on FlashAttention-4 where it is installed), easycache and easycache fa4 (the same on the model with ComfyUI's EasyCache
-node, --easycache-threshold, from a miss stored with it). Each case lists every step's
-milliseconds in order (step_s.sequence: the probe, step k's capture, the first region step's placement, ...).
+Variants: streamed (the default: the target attends on FlashAttention-4 where it is installed; the kept keys and
+values, in 8 bits dequantized by the Triton kernel, that do not fit within the memory plain sampling needed are
+streamed from pinned host memory), torch (region_kv_triton off: the 8 bits dequantized by torch's multiply),
+resident (region_memory_margin 100: every block on the GPU), 16-bit (region_kv_8bit off: kept in the model's 16
+bits, streamed as the default's), host kernel (region_fa4 off: the target attends through the host's kernel even
+where FlashAttention-4 is installed), easycache and easycache host kernel (the same on the model with ComfyUI's
+EasyCache node, --easycache-threshold, from a miss stored with it). Each case lists every step's milliseconds in
+order (step_s.sequence: the probe, step k's capture, the first region step's placement, ...).
 --profile-steps 0 profiles nothing, so that every hit's seconds are unprofiled.
 
   python3 benchmarks/region_profile.py --out benchmarks/results/gpu/region_profile_h200.json
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -37,12 +37,12 @@ import torch  # noqa: E402
 
 import reports  # noqa: E402
 from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, elapsed_logger, find_comfyui,  # noqa: E402
-                      host_arguments, import_comfy, median, plain_sample, region_hits, shares_list, sync, timed,
-                      with_easycache)
+                      host_arguments, import_comfy, machine_facts, median, plain_sample, region_hits, shares_list,
+                      sync, timed, with_easycache)
 
 VARIANTS = {"streamed": {}, "torch": {"region_kv_triton": False}, "resident": {"region_memory_margin": 100.0},
-            "16-bit": {"region_kv_8bit": False}, "fa4": {"region_fa4": True}, "easycache": {},
-            "easycache fa4": {"region_fa4": True}}
+            "16-bit": {"region_kv_8bit": False}, "host kernel": {"region_fa4": False}, "easycache": {},
+            "easycache host kernel": {"region_fa4": False}}
 
 
 def parse_args(argv=None):
@@ -199,8 +199,7 @@ def run(args):
                            seed=args.seed)
     runner = runner_on(model)
     config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=0.3, region_only=False)
-    out = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-           "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
+    out = {**machine_facts(device, version), "params": params, "dtype": str(dtype),
            "config": {"steps": n, "probe": p, "resume": k, "latent": list(preset["latent"]),
                       "profile_steps": args.profile_steps}, "cases": {}}
     store_root = tempfile.mkdtemp(prefix="carnator_region_profile_")

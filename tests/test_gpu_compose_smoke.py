@@ -21,6 +21,7 @@ def test_gpu_compose_smoke(tmp_path):
                            "--region-sparse-shares", "0.3", "--region-16bit-shares", "0.3", "--device", "cpu",
                            "--out", str(out), "--store-dir", str(tmp_path)], TIME_LIMIT_S)
     report = json.loads(out.read_text())
+    assert report["fa4_installed"] is False   # the report says which kernel ran: the CPU has no FlashAttention-4
     cases = report["cases"]
     assert set(cases) == {"plain", "easycache", "miss", "hit", "miss+easycache", "hit+easycache", "region hit 30%",
                           "region hit 30%+easycache", "region hit 10% resident", "region hit 30% sparse keys",

@@ -174,11 +174,12 @@ def test_region_settings_are_validated_with_the_fix():
         CarnatorConfig(region_fa4=1).validate(10)
 
 
-def test_region_fa4_reaches_the_region_steps_off_by_default(live_tiny_model, store):
-    """CarnatorConfig.region_fa4 (off until measured on a GPU) is handed to the region's attention."""
+def test_region_fa4_reaches_the_region_steps_on_by_default(live_tiny_model, store):
+    """CarnatorConfig.region_fa4 (on since measured faster on a GPU; off asks for the host's kernel) is handed to
+    the region's attention."""
     runner, probed, decision, config = _hit(live_tiny_model, store, region_max_share=1.0)
     payload = store.trajectory(store.record(decision.entry_id))
-    for setting, expected in (({}, False), ({"region_fa4": True}, True)):
+    for setting, expected in (({}, True), ({"region_fa4": False}, False)):
         _, region, _ = resume_stage.plan_region(runner, probed, decision, payload,
                                                 dataclasses.replace(config, **setting))
         assert region is not None and region.fa4 is expected

@@ -30,6 +30,11 @@ def _interface():
     return interface, BlockSparseTensorsTorch
 
 
+def installed() -> bool:
+    """True when the flash-attn-4 package and its CUDA libraries load here (a benchmark records which kernel ran)."""
+    return _interface() is not None
+
+
 def supports(q: torch.Tensor, block_size: int = KERNEL_BLOCK) -> bool:
     """True when FA4 can run this problem: installed, a Hopper-or-newer GPU, 16-bit floats, D a multiple of
     16 up to 128 (the head sizes whose tiles match the 128-token blocks), and blocks of whole tiles."""
@@ -39,7 +44,7 @@ def supports(q: torch.Tensor, block_size: int = KERNEL_BLOCK) -> bool:
         return False
     if torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
-    return _interface() is not None
+    return installed()
 
 
 def prepare(table: torch.Tensor, block_size: int, scale: float | None) -> Callable:
