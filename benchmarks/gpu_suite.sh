@@ -15,8 +15,10 @@
 #   2. gpu_backbones.py HunyuanVideo 13B, 480p x 81, N=20: plain, miss, hit, region-only hits at 10/30/50 %
 #   3. few_step.py      Wan 2.1 1.3B at 4 and 8 steps: plain, miss, hit, region-only hit at 30 %
 #   4. gpu_backbones.py LTX-Video 2B, 1216x704 x 257, N=20: plain, miss, hit, region-only hit at 30 %
-# Attention: FlexAttention (built into torch) for the block-sparse steps; the FA4 kernel of earlier runs needs wheels
-# that are not carried (benchmarks/gpu_setup.sh says how they were made). The machine needs ComfyUI in .host/ComfyUI
+# Attention: FlashAttention-4 where it is installed (the block-sparse steps and the region steps' target; the README's
+# region-only row was measured with it), else FlexAttention and the host's SDPA. Its wheels and CUDA library travel
+# over three calls to the same warm machine before this one (benchmarks/gpu_setup.sh says which call carries which);
+# the JSON of each benchmark says whether it loaded (fa4_installed). The machine needs ComfyUI in .host/ComfyUI
 # (benchmarks/gpu_pack.sh makes it here, with the wheels in .whl/; carry both).
 set -u
 out=${1:?usage: benchmarks/gpu_suite.sh OUTDIR [--smoke | --a14b]}
