@@ -14,17 +14,23 @@ _RUN: dict = {}
 _LEFT: list = []
 
 
+# compilers' caches that would otherwise go under TMPDIR/<user>: torch's inductor, and on a GPU with FlashAttention-4
+# the CuTe DSL's (made when it is imported) and FA4's own; the run folder takes them
+COMPILE_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor", "CUTE_DSL_CACHE_DIR": "cute_dsl",
+                  "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "flash_attention_cute_dsl"}
+
+
 @pytest.hookimpl(tryfirst=True)   # before pytest's own tmp_path plugin reads --basetemp
 def pytest_configure(config):
     run = tempfile.mkdtemp(prefix="carnator-tests-")
     temp = os.path.join(run, "tmp")
     os.mkdir(temp)
-    _RUN.update(run=run, temp=temp, environ={name: os.environ.get(name) for name in
-                                             ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")})
+    _RUN.update(run=run, temp=temp, environ={name: os.environ.get(name) for name in ("TMPDIR", *COMPILE_CACHES)})
     if config.option.basetemp is None:
         config.option.basetemp = os.path.join(run, "pytest")
     os.environ["TMPDIR"] = tempfile.tempdir = temp
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(run, "torchinductor"))
+    for variable, folder in COMPILE_CACHES.items():
+        os.environ.setdefault(variable, os.path.join(run, folder))
 
 
 # inductor keeps its C++ headers in TMPDIR for the life of the process and remembers having made them: removed by a

@@ -49,3 +49,12 @@ def test_this_run_keeps_its_temporary_files_in_its_own_folder():
     assert tempfile.gettempdir() == os.environ["TMPDIR"] and os.path.basename(tempfile.gettempdir()) == "tmp"
     assert os.path.basename(os.path.dirname(tempfile.gettempdir())).startswith("carnator-tests-")
     assert os.path.dirname(HERE) not in tempfile.gettempdir()
+
+
+def test_compilers_keep_their_caches_in_the_runs_folder_not_in_tmpdir():
+    """Torch's inductor, the CuTe DSL and FlashAttention-4 would make TMPDIR/<user>/... (on a GPU with FA4 the run
+    failed for the folder they left); under the run's folder (or where the user set them), never in TMPDIR."""
+    import tempfile
+    for variable in ("TORCHINDUCTOR_CACHE_DIR", "CUTE_DSL_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        folder = os.path.abspath(os.environ[variable])
+        assert os.path.commonpath([folder, tempfile.gettempdir()]) != tempfile.gettempdir(), variable
