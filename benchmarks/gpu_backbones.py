@@ -110,7 +110,8 @@ def parse_args(argv=None):
     parser.add_argument("--resume", type=int, default=10)
     parser.add_argument("--max-density", type=float, default=0.3)
     parser.add_argument("--region-shares", type=gs.shares_list, default=[0.1, 0.3, 0.5],
-                        help="target shares of the region-only hits, e.g. 0.1,0.3,0.5 (empty: none)")
+                        help="target shares of the region-only hits, e.g. 0.1,0.3,0.5 (empty: none; a share "
+                             "given twice is timed twice: the first hit of a process pays its one-time costs)")
     parser.add_argument("--block-size", type=int, default=None, help="default 128 (32 with --smoke)")
     parser.add_argument("--quick", action="store_true", help="plain, miss, hit and the region hits only: no attention "
                         "share (nor the ideal speedup), no new-seed and other-conditioning probes")

@@ -334,7 +334,8 @@ def forced_target(layout, latent_shape, share):
 def region_hits(runner, store, config, noise, sigmas, resume_step, seed, shares, log, difference, suffix=""):
     """{"region hit 30%": facts, ...}: the region-only hit (CarnatorConfig.region_only) at each target share, its peak
     memory, the share and verdict the resume stage reached, and difference(its latent) (a dict); each hit's own
-    entry removed after it (the next resumes from the miss's)."""
+    entry removed after it (the next resumes from the miss's). A share named again is timed again ("region hit 30%
+    #2"): the first region-only hit of a process pins host memory and compiles kernels, the next shows a session's."""
     import dataclasses
     region_config = dataclasses.replace(config, region_only=True, region_max_share=0.6)
     cases = {}
@@ -347,6 +348,8 @@ def region_hits(runner, store, config, noise, sigmas, resume_step, seed, shares,
             store.delete(entry_id)
         numbers = result.decision.numbers
         name = f"region hit {share:.0%}{suffix}"
+        repeats = sum(1 for case in cases if case == name or case.startswith(f"{name} #"))
+        name = f"{name} #{repeats + 1}" if repeats else name
         cases[name] = {**facts, "peak_bytes": peak.bytes, "region_only": numbers.get("region_only"),
                        "region_share": numbers.get("region_share"), "region_steps": numbers.get("region_steps"),
                        "region_key_share": numbers.get("region_key_share"),

@@ -22,7 +22,8 @@ def smoke(tmp_path, script, *arguments):
 
 
 def test_gpu_backbones_smoke(tmp_path):
-    proc, data = smoke(tmp_path, "gpu_backbones.py", "--steps", "10", "--probe", "2", "--resume", "5")
+    proc, data = smoke(tmp_path, "gpu_backbones.py", "--steps", "10", "--probe", "2", "--resume", "5",
+                       "--region-shares", "0.3,0.3")
     assert data["gate_overrides"] == {} and set(data["results"]) == {"wan2.2-a14b", "hunyuan-13b", "ltxv-2b"}
     for name, res in data["results"].items():
         assert "error" not in res, res.get("error")
@@ -31,6 +32,8 @@ def test_gpu_backbones_smoke(tmp_path):
         assert res["hit"]["sparse_attend_calls"] > 0, name            # the cached plan ran
         assert not res["new_seed"]["reuse"], name
         assert {"speedup_vs_plain", "ideal", "peak_hit_vs_plain_pct"} <= set(res["summary"])
+        # a share given twice is timed twice, the second named apart (the first pays a process's one-time costs)
+        assert list(res["region"]) == ["region hit 30%", "region hit 30% #2"], name
     assert data["results"]["wan2.2-a14b"]["switch_step"] == 5
     assert "| backbone |" in proc.stdout
 
