@@ -94,6 +94,15 @@ def import_comfy(path, cpu):
     return version
 
 
+def machine_facts(device, version: str) -> dict:
+    """What a GPU report names beside its figures: the card, torch, ComfyUI, and whether FlashAttention-4 loaded (the
+    sparse and region steps' kernel where it does)."""
+    from carnator_engine.attention import fa4
+    cuda = torch.device(device).type == "cuda"
+    return {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+            "torch": torch.__version__, "comfyui_version": version, "fa4_installed": cuda and fa4.installed()}
+
+
 def build_model(preset, device, dtype, seed):
     """ComfyUI's WAN21 model (WanModel inside) with random weights, wrapped in a ModelPatcher.
 
@@ -143,15 +152,6 @@ def build_model(preset, device, dtype, seed):
 
 
 # ---- timing ------------------------------------------------------------------------------------
-
-def machine_facts(device, version: str) -> dict:
-    """What a GPU report names beside its figures: the card, torch, ComfyUI, and whether FlashAttention-4 loaded (the
-    sparse and region steps' kernel where it does)."""
-    from carnator_engine.attention import fa4
-    cuda = torch.device(device).type == "cuda"
-    return {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-            "torch": torch.__version__, "comfyui_version": version, "fa4_installed": cuda and fa4.installed()}
-
 
 def sync():
     if torch.cuda.is_available():
