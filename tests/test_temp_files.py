@@ -58,3 +58,10 @@ def test_compilers_keep_their_caches_in_the_runs_folder_not_in_tmpdir():
     for variable in ("TORCHINDUCTOR_CACHE_DIR", "CUTE_DSL_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
         folder = os.path.abspath(os.environ[variable])
         assert os.path.commonpath([folder, tempfile.gettempdir()]) != tempfile.gettempdir(), variable
+
+
+def test_a_passing_tests_folder_goes_when_it_ends_so_a_run_needs_the_disk_of_one_test(request):
+    """The suite's pytest settings (pyproject.toml, read by the README's test command from the repository's root)
+    remove each passing test's tmp_path as it ends: together the tests' folders reach 1.3 GB."""
+    assert str(request.config.inipath) == os.path.join(os.path.dirname(HERE), "pyproject.toml")
+    assert request.config.getini("tmp_path_retention_policy") == "failed"
