@@ -240,8 +240,8 @@ class RegionTokens:
         and the text's. With `fa4` on, FlashAttention-4 stands in for `dense` where it runs and `host_sdpa` says
         `dense` is torch's SDPA (the same exact attention, in a faster kernel; another node's kernel stays)."""
         keys, values = self.attention_inputs(block, q, k, v)
-        if self.fa4 and host_sdpa and fa4_attention.supports(q):
-            dense = fa4_attention.dense
+        if self.fa4 and host_sdpa:
+            dense = fa4_attention.dense_or(dense)
         kept = len(self.kept)
         text = int(k.shape[2]) - kept       # text keys (a padding mask may have dropped some of the text queries')
         if q.shape[2] == kept or self.reach.get(block) is None or keys.shape[2] != self.length + text:

@@ -356,6 +356,77 @@ def test_fa4_backend_names_what_it_needs_where_it_cannot_run():
     assert torch.allclose(auto, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
 
 
+def test_fa4_runs_only_on_gpus_whose_kernels_read_the_block_table(monkeypatch):
+    """Hopper and datacenter Blackwell: consumer Blackwell's (12.x) FA4 kernel takes a block table and ignores it
+    (a hit would attend densely), Ada and Ampere have none."""
+    capability = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["now"])
+    for capability["now"], runs in (((8, 9), False), ((9, 0), True), ((10, 0), True), ((11, 0), True),
+                                    ((12, 0), False)):
+        assert sa.fa4_attention._runs_on(torch.device("cuda", 0)) is runs, capability
+    assert not sa.fa4_attention._runs_on(torch.device("cpu"))
+
+
+class _FA4Interface:
+    """flash-attn-4's interface where its kernel cannot run (an unsupported GPU, a broken install): every call
+    raises `error`."""
+
+    def __init__(self, error: Exception):
+        self.error, self.calls = error, 0
+
+    def flash_attn_func(self, *args, **kwargs):
+        self.calls += 1
+        raise self.error
+
+
+@pytest.fixture
+def fa4_that_fails(monkeypatch):
+    """FA4 installed and on a GPU it claims (here the CPU) but failing; this process's failure record isolated."""
+    def install(error: Exception) -> _FA4Interface:
+        interface = _FA4Interface(error)
+        monkeypatch.setattr(sa.fa4_attention, "_interface", lambda: (interface, lambda **fields: fields))
+        monkeypatch.setattr(sa.fa4_attention, "_runs_on", lambda device: True)
+        monkeypatch.setattr(sa.fa4_attention, "_FAILURE", [])
+        return interface
+    return install
+
+
+def test_fa4_that_fails_warns_once_and_a_hit_attends_on_the_next_exact_kernel(fa4_that_fails, recwarn):
+    interface = fa4_that_fails(ValueError("Unsupported compute capability: 130"))
+    q, k, v = qkv(L=384, D=128, dtype=torch.bfloat16)
+    conn = random_conn(3, 3, 0.5)
+    expected = block_sparse_attention(q, k, v, conn, 128, backend="sdpa")
+    attention = BlockSparseAttention({0: conn}, block_size=128)
+    for _ in range(2):
+        assert torch.equal(attention.attend(0, q, k, v), expected)
+        assert torch.equal(block_sparse_attention(q, k, v, conn, 128), expected)
+    assert interface.calls == 1        # not tried again in this process
+    failed = [str(w.message) for w in recwarn if "FlashAttention-4 failed" in str(w.message)]
+    assert len(failed) == 1 and "Unsupported compute capability: 130" in failed[0], failed
+    with pytest.raises(ValueError, match="flash-attn-4 package"):     # asked for by name, it says so
+        block_sparse_attention(q, k, v, conn, 128, backend="fa4")
+
+
+def test_fa4_out_of_memory_goes_to_the_callers_and_fa4_stays_in_use(fa4_that_fails):
+    interface = fa4_that_fails(torch.OutOfMemoryError("CUDA out of memory"))
+    q, k, v = qkv(L=256, D=128, dtype=torch.bfloat16)
+    with pytest.raises(torch.OutOfMemoryError):
+        BlockSparseAttention({0: torch.eye(2, dtype=torch.bool)}, block_size=128).attend(0, q, k, v)
+    assert interface.calls == 1 and sa.fa4_attention._FAILURE == [] and sa.fa4_attention.supports(q)
+
+
+def test_a_region_step_on_fa4_that_fails_attends_with_the_hosts_kernel(fa4_that_fails):
+    from carnator_engine.region import RegionTokens
+    fa4_that_fails(RuntimeError("cute DSL compile error"))
+    q, k, v = qkv(L=256, D=128, dtype=torch.bfloat16)
+    region = RegionTokens(torch.ones(256, dtype=torch.bool), frozenset({0}), fa4=True)
+    host = []
+    with pytest.warns(RuntimeWarning, match="FlashAttention-4 failed"):
+        out = region.attend(0, q, k, v, lambda *qkv_: host.append(1) or F.scaled_dot_product_attention(*qkv_),
+                            host_sdpa=True)
+    assert host == [1] and torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+
+
 @needs_cuda
 @pytest.mark.parametrize("L", [1000, 1024])
 def test_fa4_matches_f64_reference_cuda(L):

@@ -52,12 +52,12 @@ Backends of :func:`block_sparse_attention`
   SDPA with a warning instead.  :class:`BlockSparseAttention` also keeps each
   block's BlockMask, since its table is fixed across steps (building one costs
   ~2 ms of host time on an H200 for a 256x256 table, comparable to the kernel).
-* ``"fa4"`` (CUDA, Hopper or newer, optional ``flash-attn-4`` package): FlashAttention-4's block-sparse
+* ``"fa4"`` (CUDA, Hopper or datacenter Blackwell, optional ``flash-attn-4`` package): FlashAttention-4's block-sparse
   kernel (:mod:`carnator_engine.attention.fa4`), every allowed block a full block; ``block_size`` a
   multiple of 128, bf16/fp16, head size <= 128.  On an H200 it runs a 0.3-density table in 0.27 of dense
   cuDNN's time where flex needs 0.40.
 * ``"auto"`` (default): fa4 where it runs, else flex on CUDA when it is importable and compiles, else sdpa
-  (a warning is issued once per shape if flex failed).
+  (a warning is issued once per shape if flex failed, once per process if fa4 did: then it is not tried again).
 """
 
 from __future__ import annotations
@@ -694,11 +694,15 @@ def block_sparse_attention(
         _check_connectivity(connectivity, q.shape[2], k.shape[2], block_size)
     if backend == "fa4" and not fa4_attention.supports(q, block_size):
         raise ValueError(
-            "backend='fa4' needs the flash-attn-4 package, a Hopper-or-newer GPU, bf16/fp16 tensors, a head "
-            "size <= 128 and a block size that is a multiple of 128; use backend='auto' to fall back"
+            "backend='fa4' needs the flash-attn-4 package, a Hopper or datacenter Blackwell GPU, bf16/fp16 tensors, "
+            "a head size <= 128 and a block size that is a multiple of 128; use backend='auto' to fall back"
         )
     if backend in ("auto", "fa4") and fa4_attention.supports(q, block_size):
-        return fa4_attention.prepare(connectivity.to(q.device), block_size, scale)(q, k, v)
+        try:
+            return fa4_attention.prepare(connectivity.to(q.device), block_size, scale)(q, k, v)
+        except fa4_attention.Failed:
+            if backend == "fa4":
+                raise
     if backend == "flex" and not (flex_available() and q.is_cuda):
         raise ValueError(
             "backend='flex' needs torch.nn.attention.flex_attention and CUDA tensors; "
@@ -817,7 +821,11 @@ class BlockSparseAttention:
             run = self._runners.get(rkey + ("fa4",))
             if run is None:
                 run = self._runners[rkey + ("fa4",)] = fa4_attention.prepare(table, self.block_size, scale)
-            return run(q, k, v)
+            try:
+                return run(q, k, v)
+            except fa4_attention.Failed:   # warned once; flex or SDPA from now on
+                if self.backend == "fa4":
+                    raise
         if self.backend == "fa4":
             return block_sparse_attention(q, k, v, table, self.block_size, scale=scale, backend="fa4",
                                           validate=False)  # raises, naming what fa4 needs
