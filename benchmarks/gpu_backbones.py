@@ -45,7 +45,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import gpu_host as gs  # noqa: E402
-import reports  # noqa: E402
 
 TEXT_DIM = 4096
 BACKBONES = {
@@ -445,7 +444,7 @@ def run(args):
            "resume": k, "max_density": args.max_density, "gate_overrides": {}, "smoke": args.smoke, "results": {}}
 
     def save():
-        reports.write(args.out, out)
+        gs.write_report(args.out, out)
 
     measure_each(args, specs, measure, device, dtype, gs.elapsed_logger(started), out, save)
     out["total_seconds"] = time.perf_counter() - started

@@ -71,10 +71,9 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-import reports  # noqa: E402
 from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, carnator_hit, elapsed_logger,  # noqa: E402
                        find_comfyui, host_arguments, import_comfy, machine_facts, median, plain_sample, region_hits,
-                       rel_diff, shares_list, timed, with_easycache)
+                       rel_diff, shares_list, timed, with_easycache, write_report)
 
 
 ONOFF_SETTINGS = {"region_kv_triton": "8-bit kept keys and values dequantized by the Triton kernel",
@@ -249,7 +248,7 @@ def run(args):
     stores = []
 
     def save():
-        reports.write(args.out, out)
+        write_report(args.out, out)
 
     log = elapsed_logger(started)
 

@@ -22,6 +22,8 @@ sys.path[:0] = [folder for folder in (ROOT, HERE) if folder not in sys.path]
 
 import torch  # noqa: E402
 
+import reports  # noqa: E402
+
 PRESETS = {
     "real": dict(dim=1536, layers=30, ffn=8960, latent=(1, 16, 21, 60, 104), text_len=512, steps=50, probe=5,
                  resume=25, block_size=128, noop_steps=6, repeats=3, kernel_reps=10),
@@ -101,6 +103,13 @@ def machine_facts(device, version: str) -> dict:
     cuda = torch.device(device).type == "cuda"
     return {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
             "torch": torch.__version__, "comfyui_version": version, "fa4_installed": cuda and fa4.installed()}
+
+
+def write_report(path: str, out: dict) -> None:
+    """reports.write, with whether FlashAttention-4 failed in the run so far (then the figures after its failure are
+    the other kernels')."""
+    from carnator_engine.attention import fa4
+    reports.write(path, {**out, "fa4_failure": fa4.failure()})
 
 
 def build_model(preset, device, dtype, seed):

@@ -35,10 +35,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
-import reports  # noqa: E402
 from gpu_host import (PRESETS, PROMPT, TEXT_DIM, Peak, build_model, elapsed_logger, find_comfyui,  # noqa: E402
                       host_arguments, import_comfy, machine_facts, median, plain_sample, region_hits, shares_list,
-                      sync, timed, with_easycache)
+                      sync, timed, with_easycache, write_report)
 
 VARIANTS = {"streamed": {}, "torch": {"region_kv_triton": False}, "resident": {"region_memory_margin": 100.0},
             "16-bit": {"region_kv_8bit": False}, "host kernel": {"region_fa4": False}, "easycache": {},
@@ -253,12 +252,12 @@ def run(args):
                     f"{len(kinds.get('region', []))}, full step {median(kinds.get('full', [])) * 1e3:.1f} ms x "
                     f"{len(kinds.get('full', []))}; profiled: {region.get('busy_share') or 0:.0%} busy; host link "
                     f"{case['host_link_gbps'] or 0:.1f} GB/s")
-                reports.write(args.out, out)
+                write_report(args.out, out)
     finally:
         store.close()
         shutil.rmtree(store_root, ignore_errors=True)
     out["total_seconds"] = time.perf_counter() - started
-    reports.write(args.out, out)
+    write_report(args.out, out)
     print_table(out)
     return out
 

@@ -25,6 +25,7 @@ def test_gpu_backbones_smoke(tmp_path):
     proc, data = smoke(tmp_path, "gpu_backbones.py", "--steps", "10", "--probe", "2", "--resume", "5",
                        "--region-shares", "0.3,0.3")
     assert data["gate_overrides"] == {} and set(data["results"]) == {"wan2.2-a14b", "hunyuan-13b", "ltxv-2b"}
+    assert data["fa4_installed"] is False and data["fa4_failure"] is None     # which kernel ran
     for name, res in data["results"].items():
         assert "error" not in res, res.get("error")
         assert res["miss"]["model_calls"] == 10 and res["miss"]["rel_diff_vs_plain"] < 1e-4, name

@@ -14,6 +14,22 @@ from benchmark_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_compose.py")
 
 
+def test_a_gpu_report_says_when_flashattention4_failed_in_the_run(tmp_path, monkeypatch):
+    """Its figures after the failure are the other kernels' although FA4 is installed (attention.fa4)."""
+    import importlib.util
+    from carnator_engine.attention import fa4
+    spec = importlib.util.spec_from_file_location("gpu_host", os.path.join(ROOT, "benchmarks", "gpu_host.py"))
+    gpu_host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_host)
+    path = tmp_path / "report.json"
+    monkeypatch.setattr(fa4, "_FAILURE", [])
+    gpu_host.write_report(str(path), {"fa4_installed": True})
+    assert json.loads(path.read_text()) == {"fa4_installed": True, "fa4_failure": None}
+    monkeypatch.setattr(fa4, "_FAILURE", ["ValueError: Unsupported compute capability: 130"])
+    gpu_host.write_report(str(path), {"fa4_installed": True})
+    assert json.loads(path.read_text())["fa4_failure"] == "ValueError: Unsupported compute capability: 130"
+
+
 def test_gpu_compose_smoke(tmp_path):
     skip_without_comfyui()
     out = tmp_path / "compose.json"
@@ -22,6 +38,7 @@ def test_gpu_compose_smoke(tmp_path):
                            "--out", str(out), "--store-dir", str(tmp_path)], TIME_LIMIT_S)
     report = json.loads(out.read_text())
     assert report["fa4_installed"] is False   # the report says which kernel ran: the CPU has no FlashAttention-4
+    assert report["fa4_failure"] is None
     cases = report["cases"]
     assert set(cases) == {"plain", "easycache", "miss", "hit", "miss+easycache", "hit+easycache", "region hit 30%",
                           "region hit 30%+easycache", "region hit 10% resident", "region hit 30% sparse keys",

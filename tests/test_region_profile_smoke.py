@@ -18,6 +18,7 @@ def test_region_profile_smoke(tmp_path):
                            "--out", str(out)], TIME_LIMIT_S)
     report = json.loads(out.read_text())
     assert report["fa4_installed"] is False   # the report says which kernel ran: the CPU has no FlashAttention-4
+    assert report["fa4_failure"] is None
     steps, probe, k = (report["config"][key] for key in ("steps", "probe", "resume"))
     assert report["miss"]["profile_full"]["steps"] == 1 and report["miss"]["full_step_s"] > 0
     assert report["plain"]["seconds"] > 0          # the baseline of every hit's speedup, timed in the same run

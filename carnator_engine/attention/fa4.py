@@ -62,6 +62,11 @@ def supports(q: torch.Tensor, block_size: int = KERNEL_BLOCK) -> bool:
     return _runs_on(q.device) and installed() and not _FAILURE
 
 
+def failure() -> str | None:
+    """Why FA4 failed in this process (then the other kernels ran), or None (a benchmark's report says it)."""
+    return _FAILURE[0] if _FAILURE else None
+
+
 def _runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in BLOCK_TABLE_ARCHS
 
