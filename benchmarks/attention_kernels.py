@@ -1,5 +1,5 @@
 """Kernel benchmark: dense SDPA vs the block-sparse kernels (carnator_engine.attention.sparse): FlexAttention, and
-with --fa4 FlashAttention-4's (the optional flash-attn-4 package, the `gpu` extra; Hopper or datacenter Blackwell).
+with --fa4 FlashAttention-4's (the optional flash-attn-4 package, the `gpu` extra; Hopper GPUs).
 
 Default size is Wan2.1-1.3B self-attention at 480p, 81 frames: B=1, 12 heads, D=128,
 L = 21 x 30 x 52 = 32760 tokens, bf16, block 128.
@@ -155,8 +155,7 @@ def region_rows(q, k, v, shares: list, runs: int, warmup: int, cuda: bool) -> li
         row = {"query_share": share, "queries": int(part.shape[2]),
                "sdpa": time_fn(lambda: F.scaled_dot_product_attention(part, k, v), runs, warmup, cuda)}
         if not fa4_attention.supports(part):
-            row["error"] = ("flash-attn-4 cannot run here (it needs the package, a Hopper or datacenter Blackwell "
-                            "GPU, 16-bit floats)")
+            row["error"] = "flash-attn-4 cannot run here (it needs the package, a Hopper GPU, 16-bit floats)"
         else:
             row["rel_err_fa4_vs_sdpa"] = rel_err(fa4_attention.dense(part, k, v),
                                                  F.scaled_dot_product_attention(part, k, v))

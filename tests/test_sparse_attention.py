@@ -348,20 +348,20 @@ def test_fa4_backend_names_what_it_needs_where_it_cannot_run():
     q, k, v = qkv(L=300)     # float32 on the CPU: never an FA4 problem
     conn = torch.ones(3, 3, dtype=torch.bool)
     assert not sa.fa4_attention.supports(q, 128)
-    with pytest.raises(ValueError, match="flash-attn-4 package, a Hopper"):
+    with pytest.raises(ValueError, match="flash-attn-4 package, a Hopper GPU"):
         block_sparse_attention(q, k, v, conn, 128, backend="fa4")
-    with pytest.raises(ValueError, match="flash-attn-4 package, a Hopper"):
+    with pytest.raises(ValueError, match="flash-attn-4 package, a Hopper GPU"):
         BlockSparseAttention({0: conn}, block_size=128, backend="fa4").attend(0, q, k, v)
     auto = block_sparse_attention(q, k, v, conn, 128, backend="auto")
     assert torch.allclose(auto, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
 
 
-def test_fa4_runs_only_on_gpus_whose_kernels_read_the_block_table(monkeypatch):
-    """Hopper and datacenter Blackwell: consumer Blackwell's (12.x) FA4 kernel takes a block table and ignores it
-    (a hit would attend densely), Ada and Ampere have none."""
+def test_fa4_runs_only_on_gpus_whose_kernel_runs_the_block_tables(monkeypatch):
+    """Hopper: datacenter Blackwell's FA4 kernel refuses 128-row query blocks, consumer Blackwell's (12.x) takes a
+    block table and ignores it (a hit would attend densely), Ada and Ampere have none."""
     capability = {}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["now"])
-    for capability["now"], runs in (((8, 9), False), ((9, 0), True), ((10, 0), True), ((11, 0), True),
+    for capability["now"], runs in (((8, 9), False), ((9, 0), True), ((10, 0), False), ((11, 0), False),
                                     ((12, 0), False)):
         assert sa.fa4_attention._runs_on(torch.device("cuda", 0)) is runs, capability
     assert not sa.fa4_attention._runs_on(torch.device("cpu"))

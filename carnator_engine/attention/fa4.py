@@ -9,10 +9,12 @@ attention under the block table, as with the other backends. Tokens past the seq
 block are bounded by the kernel's own sequence length. `dense` runs the same kernel without a table (a region
 step's target over every key: benchmarks/results/kernels/fa4_h200.json has it at 9.83 ms where cuDNN took 11.70).
 
-Where it runs: Hopper (compute capability 9.x) and datacenter Blackwell (10.x, 11.x), whose kernels read the block
-table. Not consumer Blackwell (12.x: RTX 50-series): flash-attn-4 4.0 runs an Ampere-style kernel there that takes
-the table and ignores it (flash_fwd.py's FlashAttentionForwardSm80), so a hit would attend densely on it. A kernel
-that fails to compile or launch is not tried again in the process: the callers' other exact kernels run instead.
+Where it runs: Hopper (compute capability 9.x), where it is measured. Read in flash-attn-4 4.0's source, not
+measured: on datacenter Blackwell (10.x, 11.x) its kernel takes query blocks of q_stage x tile_m = 256 rows at
+these lengths (config.py, block_sparsity.py) and refuses Carnator's 128-row tables; on consumer Blackwell (12.x:
+RTX 50-series) it runs an Ampere-style kernel that takes the table and ignores it (flash_fwd.py's
+FlashAttentionForwardSm80), so a hit would attend densely. A kernel that fails to compile or launch is not tried
+again in the process: the callers' other exact kernels run instead.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ import torch
 KERNEL_BLOCK = 128
 """The SM90 kernel's KV tile for D <= 128: a block table's block size must be a multiple of it."""
 
-BLOCK_TABLE_ARCHS = (9, 10, 11)
-"""The compute capabilities (major) whose FA4 kernels honour a block table (the module's docstring says why not 12)."""
+BLOCK_TABLE_ARCHS = (9,)
+"""The compute capabilities (major) whose FA4 kernel runs Carnator's block tables (the module's docstring says why
+not 10-12)."""
 
 _FAILURE: list = []   # why FA4 failed in this process, once it has: then it is not tried again
 

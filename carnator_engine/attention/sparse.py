@@ -52,7 +52,7 @@ Backends of :func:`block_sparse_attention`
   SDPA with a warning instead.  :class:`BlockSparseAttention` also keeps each
   block's BlockMask, since its table is fixed across steps (building one costs
   ~2 ms of host time on an H200 for a 256x256 table, comparable to the kernel).
-* ``"fa4"`` (CUDA, Hopper or datacenter Blackwell, optional ``flash-attn-4`` package): FlashAttention-4's block-sparse
+* ``"fa4"`` (CUDA, Hopper, optional ``flash-attn-4`` package): FlashAttention-4's block-sparse
   kernel (:mod:`carnator_engine.attention.fa4`), every allowed block a full block; ``block_size`` a
   multiple of 128, bf16/fp16, head size <= 128.  On an H200 it runs a 0.3-density table in 0.27 of dense
   cuDNN's time where flex needs 0.40.
@@ -694,7 +694,7 @@ def block_sparse_attention(
         _check_connectivity(connectivity, q.shape[2], k.shape[2], block_size)
     if backend == "fa4" and not fa4_attention.supports(q, block_size):
         raise ValueError(
-            "backend='fa4' needs the flash-attn-4 package, a Hopper or datacenter Blackwell GPU, bf16/fp16 tensors, "
+            "backend='fa4' needs the flash-attn-4 package, a Hopper GPU, bf16/fp16 tensors, "
             "a head size <= 128 and a block size that is a multiple of 128; use backend='auto' to fall back"
         )
     if backend in ("auto", "fa4") and fa4_attention.supports(q, block_size):
