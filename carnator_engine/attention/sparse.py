@@ -693,10 +693,11 @@ def block_sparse_attention(
     if validate:
         _check_connectivity(connectivity, q.shape[2], k.shape[2], block_size)
     if backend == "fa4" and not fa4_attention.supports(q, block_size):
-        raise ValueError(
-            "backend='fa4' needs the flash-attn-4 package, a Hopper GPU, bf16/fp16 tensors, "
-            "a head size <= 128 and a block size that is a multiple of 128; use backend='auto' to fall back"
-        )
+        failed = fa4_attention.failure()
+        why = f"failed earlier in this process ({failed})" if failed else (
+            "needs the flash-attn-4 package, a Hopper GPU, bf16/fp16 tensors, a head size <= 128 and a block size "
+            "that is a multiple of 128")
+        raise ValueError(f"backend='fa4' {why}; use backend='auto' to fall back")
     if backend in ("auto", "fa4") and fa4_attention.supports(q, block_size):
         try:
             return fa4_attention.prepare(connectivity.to(q.device), block_size, scale)(q, k, v)
