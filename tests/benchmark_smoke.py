@@ -24,12 +24,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIME_LIMIT_S = 300
 
 
-def _comfyui():
-    """Where the script itself would find ComfyUI (its own lookup, so the two never disagree)."""
+def load_gpu_host():
+    """benchmarks/gpu_host.py as a module (the benchmarks folder is not a package)."""
     spec = importlib.util.spec_from_file_location("gpu_host", os.path.join(ROOT, "benchmarks", "gpu_host.py"))
     host = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(host)
-    return host.comfyui_checkout()
+    return host
+
+
+def _comfyui():
+    """Where the script itself would find ComfyUI (its own lookup, so the two never disagree)."""
+    return load_gpu_host().comfyui_checkout()
 
 
 @functools.lru_cache(maxsize=1)

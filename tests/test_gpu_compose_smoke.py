@@ -9,18 +9,15 @@ import os
 
 import pytest
 
-from benchmark_smoke import ROOT, TIME_LIMIT_S, run_smoke, skip_without_comfyui
+from benchmark_smoke import ROOT, TIME_LIMIT_S, load_gpu_host, run_smoke, skip_without_comfyui
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_compose.py")
 
 
 def test_a_gpu_report_says_when_flashattention4_failed_in_the_run(tmp_path, monkeypatch):
     """Its figures after the failure are the other kernels' although FA4 is installed (attention.fa4)."""
-    import importlib.util
     from carnator_engine.attention import fa4
-    spec = importlib.util.spec_from_file_location("gpu_host", os.path.join(ROOT, "benchmarks", "gpu_host.py"))
-    gpu_host = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_host)
+    gpu_host = load_gpu_host()
     path = tmp_path / "report.json"
     monkeypatch.setattr(fa4, "_FAILURE", [])
     gpu_host.write_report(str(path), {"fa4_installed": True})
