@@ -343,20 +343,19 @@ class RegionFallback(NamedTuple):
     reason: str
 
 
-def region_only_verdict(share: float, max_share: float, decision: Decision, full_steps: int,
-                        tail_steps: int) -> tuple:
+def region_only_verdict(share: float, max_share: float, decision: Decision, full_steps: int) -> tuple:
     """(region-only?, reason, what the node says, expected speedup or None) for a hit whose target tokens (halo
     included) are `share` of the clip.
 
     Region-only pays where the steps that run the target alone outweigh its full steps: a step costs about its share
     of the tokens (the linear layers and attention's queries both scale with it), and `full_steps` of the resumed
-    steps (the keys and values of the other tokens) and the last `tail_steps` (the seams) run every token. Beyond
+    steps (the keys and values of the other tokens) run every token. Beyond
     `max_share`, the cached rest is too small a part of the clip to hold it: whole-clip resume, which recomputes it."""
     calls_before = decision.probe_steps + (decision.refine_step is not None)
     resumed = decision.steps - decision.resume_step
-    region_steps = resumed - full_steps - tail_steps
+    region_steps = resumed - full_steps
     whole = calls_before + resumed
-    region = calls_before + full_steps + tail_steps + max(0, region_steps) * share
+    region = calls_before + full_steps + max(0, region_steps) * share
     text = (f"target tokens with their halo: {share:.1%} of the clip; region-only resume costs about {region:.1f} "
             f"full model calls against {whole} for whole-clip resume")
     if share == 0:

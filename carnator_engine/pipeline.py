@@ -51,12 +51,16 @@ class CarnatorConfig:
     max_density: float = 1.0        # budget: share of key blocks a query block may keep (1 = mass alone decides)
     sparse_attention: bool = True   # ablation switch: resume with dense attention
     localize: bool = True           # ablation switch: copy the whole cached latent, no target region
-    # Region-only resume (docs/region-resume.md): a hit's resumed steps run the target tokens and a halo only, the
-    # rest of the clip follows the cached request, the kept keys and values within the GPU memory plain sampling
-    # needed (kept_kv); on since its pooled check, the creator trace and the memory goal on every backbone held.
-    region_only: bool = True
+    # Region-only resume (docs/region-resume.md): a hit's resumed steps run the target tokens and a halo only, every
+    # other token is the cached generation's, the kept keys and values within the GPU memory plain sampling needed
+    # (kept_kv). Off: at cfg 1 on the tiny Wan its result is further from plain sampling of the edit than a
+    # whole-clip hit's by more than the 3 dB it may be (docs/region-resume.md says what was measured).
+    region_only: bool = False
     region_max_share: float = 0.5   # beyond this share of the clip's tokens (halo included): whole-clip resume
-    region_full_steps: int = 1      # last steps that run every token again, blending the seam
+    # full steps added to a region-only resume's first (and an expert switch's) at stored checkpoints of the cached
+    # trajectory: the other tokens' keys and values the target attends to are refreshed from states the cached
+    # generation passed through
+    region_refresh_steps: int = 2
     # the region-only target adds to the gate's cells the fewest cells holding this share of the early estimates'
     # squared difference (localize.region_cells): a target that carries across models; 0: the gate's cells alone
     region_target_mass: float = 0.7
@@ -123,9 +127,10 @@ class CarnatorConfig:
         for name in ("region_kv_8bit", "region_kv_triton", "region_fa4"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.region_full_steps, int) or self.region_full_steps < 0:
-            raise ValueError(f"region_full_steps={self.region_full_steps!r} must be a whole number >= 0: the last "
-                             "steps of a region-only resume that run every token")
+        if isinstance(self.region_refresh_steps, bool) or not isinstance(self.region_refresh_steps, int) \
+                or not 0 <= self.region_refresh_steps <= 16:
+            raise ValueError(f"region_refresh_steps={self.region_refresh_steps!r} must be a whole number from 0 to 16: "
+                             "the full steps a region-only resume adds to refresh the other tokens' keys and values")
         if self.max_checkpoints < 1:
             raise ValueError(f"max_checkpoints must be >= 1, got {self.max_checkpoints}")
         self.policy()
@@ -187,15 +192,23 @@ def _calls(runner, observer: GenerationObserver) -> int:
     return observer.forwards if getattr(runner, "counts_forwards", False) else observer.steps_run
 
 
+REFRESH_CHECKPOINTS = 3     # checkpoints after the furthest resume step: where a region-only resume refreshes
+
+
 def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list:
-    """Steps whose entering latent an entry keeps: every step a hit could resume at, thinned evenly."""
+    """Steps whose entering latent an entry keeps: every step a hit could resume at, thinned evenly, and a few
+    evenly spread after the furthest of them, where a later region-only hit refreshes the keys and values of the
+    tokens it does not compute from a state this generation passed through (resume.region_only_steps)."""
     furthest = max(gate_module.furthest_resume(p, steps) for p in gate_module.RISK_POLICIES.values())
     candidates = list(range(probe_steps + 1, furthest + 1))
-    if len(candidates) <= max_checkpoints:
-        return candidates
-    stride = len(candidates) / max_checkpoints
-    return sorted({candidates[min(len(candidates) - 1, int(round((i + 1) * stride)) - 1)]
-                   for i in range(max_checkpoints)})
+    if len(candidates) > max_checkpoints:
+        stride = len(candidates) / max_checkpoints
+        candidates = [candidates[min(len(candidates) - 1, int(round((i + 1) * stride)) - 1)]
+                      for i in range(max_checkpoints)]
+    later = range(furthest + 1, steps)
+    refresh = {later[int((i + 0.5) * len(later) / REFRESH_CHECKPOINTS)] for i in range(REFRESH_CHECKPOINTS)} \
+        if len(later) else set()
+    return sorted(set(candidates) | refresh)
 
 
 def _validate_request(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorConfig) -> None:

@@ -2,10 +2,10 @@
 
 The target tokens (the gate's target cells plus a halo of neighbouring tokens) are the only rows the transformer
 blocks see during a region step. Their self-attention still sees the whole clip: the keys and values of every other
-video token come from a full step of this request (the first resumed step, and the first step of a new expert),
-captured per block and per forward of the step (cfg batches, or cond and uncond run apart). The other tokens' latent
-is not computed at all: it follows the cached request's own flow line, from its checkpoint at the resume step to its
-stored final latent (schedule.jump), so an entry needs nothing beyond what it already stores.
+video token come from a full step of this request (the first resumed step, the first step of a new expert, and the
+refreshes at the cached entry's checkpoints: resume.region_only_steps), captured per block and per forward of the
+step (cfg batches, or cond and uncond run apart). The other tokens' latent is not computed at all: they end as the
+cached generation's final latent.
 
 With the cached generation's block-sparse connectivity (`reach`, CarnatorConfig.region_sparse_keys), the target
 attends only to the key rows its query blocks reach in each block's table (attention.connectivity.reached_key_rows):

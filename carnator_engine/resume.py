@@ -4,11 +4,11 @@ A hit's latent entering resume step k is the cached trajectory's, except in the 
 request's own: its probe state jumped along its own flow path to sigma_k (after one model call midway, the refine
 step, when the gate asks for it). From there either
 - whole-clip resume: every token goes through the network for steps k..N, or
-- region-only resume (CarnatorConfig.region_only, region.py): the target tokens and a halo go through it; the rest of
-  the clip follows the cached request's own flow line to its stored final latent, and its keys and values come from
-  the full steps (the first resumed step, and the first of a new expert); with region_sparse_keys only those the
-  target reaches in the cached sparse attention. The last `region_full_steps` steps run
-  every token again, which blends the seam between the two.
+- region-only resume (CarnatorConfig.region_only, region.py): the target tokens and a halo go through it; every other
+  token is the cached generation's, never run through a step it was not on: its final latent is the cached final
+  latent, and its keys and values come from full steps whose input outside the region is the cached trajectory's own
+  latent at that step (the first resumed step, the first of a new expert, and `region_refresh_steps` refreshes at
+  stored checkpoints); with region_sparse_keys only the keys the target reaches in the cached sparse attention.
 A hit that cannot follow its entry (a checkpoint missing, another latent shape) is generated in full; one that
 cannot go region-only (no stored final latent, too large a target, too little GPU memory for the kept keys and values,
 or a region step out of memory) resumes whole-clip; each with its reason.
@@ -95,7 +95,7 @@ def finish(runner, probed, decision: gate_module.Decision, payload, config, chec
 
 def plan_region(runner, probed, decision: gate_module.Decision, payload, config) -> tuple:
     """(decision with the region verdict in its reasons, RegionTokens or None, warning or ""). Region-only needs the
-    entry's final latent (the end of the cached rest's flow line) in this request's shape; without it the hit resumes
+    entry's final latent (what every token outside the region ends as) in this request's shape; without it the hit resumes
     whole-clip with a warning."""
     fhw = tuple(probed.latent.shape[-3:])
     final = payload.final
@@ -119,18 +119,17 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
         cells = cells | latent_mask(region_cells(decision.cell_map, config.region_target_mass), fhw)
     tokens = target_tokens(runner.layout, cells, REGION_HALO)
     share = float(tokens.float().mean())
-    full = _full_steps(runner, decision, config)
-    tail = min(config.region_full_steps, decision.steps - decision.resume_step - 1)
-    ok, reason, note, expected = gate_module.region_only_verdict(share, config.region_max_share, decision, len(full),
-                                                                 tail)
-    region_steps = max(0, decision.steps - decision.resume_step - len(full) - tail) if ok else 0
+    full = _full_steps(runner, decision, config, payload)
+    ok, reason, note, expected = gate_module.region_only_verdict(share, config.region_max_share, decision, len(full))
+    region_steps = max(0, decision.steps - decision.resume_step - len(full)) if ok else 0
     decision = _with_reason(decision, reason, {"region_share": round(share, 4), "region_only": ok,
                                                "region_steps": region_steps, "region_expected_speedup": expected})
     decision = dataclasses.replace(decision, region=note)
     if not ok:
         return decision, None, ""
-    # the request's own state at step k covers the whole region it recomputes
-    decision = dataclasses.replace(decision, target_cells=cells)
+    # The region starts where a whole-clip hit would: the request's own state in the gate's target cells, the cached
+    # checkpoint elsewhere. Starting all of it from the probe's own state (its estimate jumped to step k) measured
+    # further from plain sampling of the edit: on the tiny Wan at cfg 1, 53.4 against 60.2 dB (docs/region-resume.md).
     reach = None
     if config.region_sparse_keys and config.sparse_attention and payload.connectivity:
         reach = reached_key_rows(payload.connectivity, tokens)
@@ -148,14 +147,21 @@ def key_share(reach: dict, tokens: torch.Tensor) -> float:
     return sum(1.0 if rows is None else len(rows) / tokens.numel() for rows in reach.values()) / len(reach)
 
 
-def _full_steps(runner, decision: gate_module.Decision, config) -> frozenset:
-    """Resumed steps that run every token and capture the others' keys and values: the first, and the first of the
-    low-noise expert (its keys differ from the high-noise expert's)."""
-    steps = {decision.resume_step}
+def _full_steps(runner, decision: gate_module.Decision, config, payload) -> frozenset:
+    """Resumed steps that run every token and capture the others' keys and values: the first, the first of the
+    low-noise expert (its keys differ from the high-noise expert's), and `region_refresh_steps` more, spread evenly
+    over the stored checkpoints after the first (there the others' latent is the cached trajectory's own)."""
+    k, steps = decision.resume_step, decision.steps
+    full = {k}
     switch = getattr(runner, "switch_step", None)
-    if switch is not None and decision.resume_step < switch < decision.steps - config.region_full_steps:
-        steps.add(int(switch))
-    return frozenset(steps)
+    if switch is not None and k < switch < steps:
+        full.add(int(switch))
+    stored = [s for s in (payload.checkpoints if payload is not None else ()) if k < s < steps - 1]
+    wanted = int(config.region_refresh_steps)
+    if stored:
+        full |= {min(stored, key=lambda s: (abs(s - (k + (steps - k) * (i + 1) / (wanted + 1))), s))
+                 for i in range(wanted)}
+    return frozenset(full)
 
 
 def _with_reason(decision: gate_module.Decision, reason: str, numbers: dict) -> gate_module.Decision:
@@ -165,7 +171,7 @@ def _with_reason(decision: gate_module.Decision, reason: str, numbers: dict) -> 
 def follow_entry(runner, probed, decision: gate_module.Decision, payload, config, observer: GenerationObserver,
                  region: Optional[RegionTokens] = None) -> torch.Tensor:
     """A hit's steps: the cached trajectory from the resume step on, the target region the request's own; with
-    `region`, steps k..N-region_full_steps run the target tokens only (region_only_steps)."""
+    `region`, the resumed steps run the target tokens only between its full steps (region_only_steps)."""
     k = decision.resume_step
     fhw = probed.latent.shape[-3:]
     if config.localize:
@@ -182,25 +188,41 @@ def follow_entry(runner, probed, decision: gate_module.Decision, payload, config
         own, denoised, at = runner.run(x, sigmas, m, m + 1, observer), observer.last_denoised, m + 1
     x = resume_latent(own, denoised, float(sigmas[at]), float(sigmas[k]), payload.checkpoints[k], target)
     if region is not None:
-        x, k = region_only_steps(runner, x, sigmas, k, payload, region, config.region_full_steps, observer)
+        finished = region_only_steps(runner, x, sigmas, k, payload, region, observer)
+        if finished is not None:
+            return finished
     return runner.run(x, sigmas, k, probed.steps, observer)
 
 
+def cached_state(payload, step: int, sigmas: torch.Tensor) -> torch.Tensor:
+    """The cached generation's latent entering `step`: its checkpoint there, or where none was kept, its latest
+    checkpoint before it jumped towards its final latent (used only as the other tokens' context at a full step
+    without a checkpoint, the first of a new expert: their result is the cached final latent either way)."""
+    if step in payload.checkpoints:
+        return payload.checkpoints[step]
+    before = max(s for s in payload.checkpoints if s < step)
+    return jump(payload.checkpoints[before].float(), payload.final.float(), float(sigmas[before]), float(sigmas[step]))
+
+
 def region_only_steps(runner, x: torch.Tensor, sigmas: torch.Tensor, k: int, payload, region: RegionTokens,
-                      full_tail: int, observer: GenerationObserver) -> tuple:
-    """Steps k..N-full_tail with the target tokens alone through the blocks (at least step k); returns (the latent
-    entering the step they end at, that step): the target region as the request computed it, the rest on the cached
-    request's flow line (its checkpoint at k towards its final latent) at that step's sigma."""
+                      observer: GenerationObserver) -> Optional[torch.Tensor]:
+    """Steps k..N, the target tokens alone through the blocks except at the region's full steps; returns the final
+    latent: the target region (halo included) as this request computed it, every other token the cached final latent.
+    A full step's input outside the region is the cached trajectory's own latent at that step, so the others' keys and
+    values are those of a state the cached generation passed through. None when the region steps failed: the caller
+    resumes the whole clip from step k."""
     steps = len(sigmas) - 1
-    end = max(k + 1, steps - full_tail)
-    # the sampler's latent outside the target is not computed in these steps: none of them is kept as a checkpoint
-    # of the new entry (a later hit resumes from the joined latent at `end` or after)
-    observer.region, checkpoints, observer.checkpoints = region, observer.checkpoints, None
+    full = sorted(s for s in region.full_steps if s < steps)
+    inside = latent_mask_of_tokens(runner.layout, region.target, x.shape[-3:])
+    own, observer.region = x, region
     try:
-        own = runner.run(x, sigmas, k, end, observer)
+        for start, stop in zip(full, full[1:] + [steps]):
+            if start > k and not region.fallback:
+                own = torch.where(inside.to(own.device)[None, None], own,
+                                  cached_state(payload, start, sigmas).to(own.device, own.dtype))
+            own = runner.run(own, sigmas, start, stop, observer)
     except RuntimeError as error:     # never a failed request: the whole clip from step k instead (a cancel is no
-        own = None                    # RuntimeError: it goes through)
-        first = (str(error).splitlines() or [""])[0][:160]
+        first = (str(error).splitlines() or [""])[0][:160]    # RuntimeError: it goes through)
         if isinstance(error, torch.OutOfMemoryError):
             region.stop(gate_module.RegionFallback("region-only resume ran out of GPU memory",
                                                    f"region-only resume ran out of GPU memory ({first}); "
@@ -209,22 +231,37 @@ def region_only_steps(runner, x: torch.Tensor, sigmas: torch.Tensor, k: int, pay
             region.failed = f"region-only resume failed ({type(error).__name__}: {first}); whole-clip resume from " \
                             f"step {k}"
             region.stop(gate_module.RegionFallback("region-only resume failed", region.failed))
+        own = None
     finally:
-        observer.region, observer.checkpoints = None, checkpoints
-        region.keys_values.release()     # the last full steps run without them
+        observer.region = None
+        region.keys_values.release()
     fresh = getattr(runner, "fresh_step_cache", None)
-    if fresh is not None:     # a step cache's state from these steps would skip the full steps with their changes
+    if fresh is not None:     # a step cache's state from region steps would answer later full steps with it
         fresh()
     if own is None:
+        if observer.checkpoints is not None:     # what the failed run recorded is redone by the whole-clip resume
+            observer.checkpoints.latents.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return x, k
-    if not len(region.others) or region.fallback:    # after a fallback its steps ran every token: nothing to join
-        return own, end
-    inside = latent_mask_of_tokens(runner.layout, region.target, x.shape[-3:]).to(own.device)
-    cached_k = payload.checkpoints[k].to(own.device, own.dtype)
-    line = jump(cached_k, payload.final.to(own.device, own.dtype), float(sigmas[k]), float(sigmas[end]))
-    return torch.where(inside[None, None], own, line), end
+        return None
+    if not len(region.others) or region.fallback:    # after a fallback every token was computed: nothing to join
+        return own
+    if observer.checkpoints is not None:
+        _join_checkpoints(observer.checkpoints.latents, payload.checkpoints, inside)
+    return torch.where(inside.to(own.device)[None, None], own, payload.final.to(own.device, own.dtype))
+
+
+def _join_checkpoints(recorded: dict, cached: dict, inside: torch.Tensor) -> None:
+    """The new entry's checkpoints after a region-only resume: the region as this request computed it, every other
+    token the cached checkpoint of the same step (the sampler's latent there was not computed); a step the cached
+    entry kept no checkpoint of is dropped."""
+    for step in list(recorded):
+        if step not in cached:
+            del recorded[step]
+            continue
+        latent = recorded[step]
+        recorded[step] = torch.where(inside.to(latent.device)[None, None], latent,
+                                     cached[step].to(latent.device, latent.dtype))
 
 
 def unfit_entry(payload, decision: gate_module.Decision, probed) -> str:

@@ -261,9 +261,21 @@ def _verdict(summary: dict) -> str:
     if summary.get("reuse"):
         region = f"; {summary['region']}" if summary.get("region") else ""   # region-only, or why the whole clip
         return (f"Carnator HIT ({risk}): resume at step {k}/{steps} from entry {summary.get('entry_id')}{region}; "
-                f"{cost}, expected {summary.get('expected_speedup')}x{stored}")
+                f"{cost}, {_expected(summary)}{stored}")
     why = summary.get("why") or "; ".join(deciding_reasons(summary))
     return f"Carnator MISS ({risk}): {why}; {cost}{stored}"
+
+
+def _expected(summary: dict) -> str:
+    """A hit's expected speed-up, told the same way by the Gate (before region-only is decided, at the Trajectory
+    Resume) and by the node that resumed it: the whole-clip figure always, the region-only one where it ran."""
+    calls = summary.get("model_calls")
+    whole = round(summary["steps"] / calls, 3) if calls else None
+    if (summary.get("numbers") or {}).get("region_only"):
+        return f"expected {summary.get('expected_speedup')}x region-only (whole-clip: {whole}x)"
+    if "steps_run" not in summary:
+        return f"expected {whole}x whole-clip (the Trajectory Resume decides whether region-only applies)"
+    return f"expected {whole}x"
 
 
 def send_decision(unique_id, summary: dict) -> bool:

@@ -202,7 +202,7 @@ def test_a_region_step_that_fails_resumes_the_whole_clip_from_the_resume_step(li
         assert d.region == "whole clip: region-only resume failed"
 
 
-def test_the_kept_keys_are_freed_before_the_last_full_steps(live_tiny_model, store, monkeypatch):
+def test_the_kept_keys_are_freed_when_the_region_steps_end(live_tiny_model, store, monkeypatch):
     runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     held = []
     original = type(runner).run
@@ -214,9 +214,11 @@ def test_the_kept_keys_are_freed_before_the_last_full_steps(live_tiny_model, sto
     monkeypatch.setattr(type(runner), "run", run)
     payload = store.trajectory(store.record(decision.entry_id))
     decision, region, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
-    resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver(), region)
+    observer = GenerationObserver()
+    resume_stage.follow_entry(runner, probed, decision, payload, config, observer, region)
     assert region.region_steps_run == decision.numbers["region_steps"] > 0
-    assert len(region.keys_values) == 0 and held[-1] == (STEPS - config.region_full_steps, None)
+    # the last run was a region run, and nothing of it is held after it: no kept keys, no region on the observer
+    assert held[-1][1] is region and len(region.keys_values) == 0 and observer.region is None
 
 
 def test_the_memory_margin_is_validated_with_the_fix():

@@ -161,11 +161,11 @@ def test_each_carnator_method_names_its_refine_switch_whatever_the_default():
     args = argparse.Namespace(probe_steps=3, risk="balanced", max_density=1.0, gate_overrides={}, region_max_share=0.5,
                               region_sparse_keys=False)
     assert quality.carnator_config("carnator_refine", args).policy().refine_target
-    for region in ("carnator_region", "carnator_region_tail0", "carnator_region_8bit"):   # on top of carnator_refine
+    for region in ("carnator_region", "carnator_region_refresh0", "carnator_region_8bit"):   # on top of carnator_refine
         config = quality.carnator_config(region, args)
         assert config.region_only and config.policy().refine_target
         assert config.region_kv_8bit == (region == "carnator_region_8bit")
-    assert quality.carnator_config("carnator_region_tail0", args).region_full_steps == 0
+    assert quality.carnator_config("carnator_region_refresh0", args).region_refresh_steps == 0
     assert not quality.carnator_config("carnator_refine", args).region_only
     for plain in ("carnator", "carnator_no_localize", "carnator_dense"):
         assert not quality.carnator_config(plain, args).policy().refine_target

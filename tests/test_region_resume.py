@@ -41,6 +41,19 @@ def _hit(model, store, seed=2, guidance=1.0, **kwargs):
     return runner, probed, dataclasses.replace(decision, target_cells=cells, cell_map=cells.float()), config
 
 
+def _region_cells(decision, config, fhw=(8, 32, 32)):
+    """The latent cells a region-only resume computes: the gate's target and the cells holding most of the
+    difference."""
+    from carnator_engine.localize import region_cells
+    return latent_mask(decision.target_cells, fhw) | latent_mask(region_cells(decision.cell_map,
+                                                                              config.region_target_mass), fhw)
+
+
+def _early(decision, step=4):
+    """The decision resumed at an earlier stored checkpoint: more resumed steps, room for refreshes."""
+    return dataclasses.replace(decision, resume_step=step, refine_step=None)
+
+
 def _block_rows(model):
     """Rows (tokens) the first block receives, per forward."""
     rows = []
@@ -57,14 +70,14 @@ def test_region_only_equals_whole_clip_resume_when_the_target_is_the_whole_clip(
     region = RegionTokens(tokens, frozenset({decision.resume_step}))
     regional = resume_stage.follow_entry(runner, probed, decision, payload, config, GenerationObserver(), region)
     assert torch.equal(regional, whole)
-    assert region.tokens_through_blocks == tokens.numel() * (STEPS - decision.resume_step - config.region_full_steps)
+    assert region.tokens_through_blocks == tokens.numel() * (STEPS - decision.resume_step)
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
 def test_only_the_target_tokens_go_through_the_blocks_and_attend_to_the_whole_clip(live_tiny_model, store, monkeypatch,
                                                                                    guidance):
     runner, probed, decision, config = _hit(live_tiny_model, store, guidance=guidance, region_only=True,
-                                            region_max_share=1.0, region_full_steps=1)
+                                            region_max_share=1.0, region_refresh_steps=0)
     seen = []
     original = RegionTokens.attention_inputs
 
@@ -81,12 +94,12 @@ def test_only_the_target_tokens_go_through_the_blocks_and_attend_to_the_whole_cl
     d = result.decision
     assert d.reuse and d.numbers["region_only"] and any("region-only resume, expected" in r for r in d.reasons)
     length = 8 * 8 * 8
-    target = target_tokens(runner.layout, latent_mask(d.target_cells, (8, 32, 32)), resume_stage.REGION_HALO)
+    target = target_tokens(runner.layout, _region_cells(d, config), resume_stage.REGION_HALO)
     kept = int(target.sum())
     assert 0 < kept < length and d.numbers["region_share"] == pytest.approx(kept / length, abs=1e-4)
     k, m = d.resume_step, d.refine_step
-    region_steps = STEPS - k - 2          # step k captures the other tokens' keys, the last step runs every token
-    assert rows == [length] * (m is not None) + [length] + [kept] * region_steps + [length]
+    region_steps = STEPS - k - 1          # step k captures the other tokens' keys; every later step is the target's
+    assert rows == [length] * (m is not None) + [length] + [kept] * region_steps
     batch = 2 if guidance != 1.0 else 1
     region_attention = [s for s in seen if s[0]]
     assert len(region_attention) == region_steps * len(live_tiny_model.blocks)
@@ -96,19 +109,62 @@ def test_only_the_target_tokens_go_through_the_blocks_and_attend_to_the_whole_cl
     assert torch.equal(store.trajectory(store.record(result.entry_id)).final, result.latent.cpu())
 
 
-def test_a_region_only_hit_keeps_no_checkpoint_of_its_region_steps(live_tiny_model, store):
-    """Outside the target, the sampler's latent in a region step is not the clip: a later hit must never resume
-    from it. The joined latent entering the last full step is kept."""
+@pytest.mark.parametrize("refresh", [0, 2])
+def test_outside_the_region_a_hit_ends_as_the_cached_generation(live_tiny_model, store, refresh):
+    """Every token a region-only hit does not compute is the cached generation's final latent, exactly; its region
+    (halo included) is what the request computed, never the cached latent."""
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0,
+                                            region_refresh_steps=refresh)
+    payload = store.trajectory(store.record(decision.entry_id))
+    planned, region, _ = resume_stage.plan_region(runner, probed, _early(decision), payload, config)
+    assert region is not None and len(region.others)
+    out = resume_stage.follow_entry(runner, probed, planned, payload, config, GenerationObserver(), region)
+    inside = latent_mask_of_tokens(runner.layout, region.target, out.shape[-3:])
+    final = payload.final.to(out.dtype)
+    assert torch.equal(out[..., ~inside], final[..., ~inside])
+    assert not torch.allclose(out[..., inside], final[..., inside])
+    assert region.region_steps_run == STEPS - planned.resume_step - len(region.full_steps) > 0
+
+
+def test_a_region_only_hits_refreshes_run_every_token_from_the_cached_trajectory(live_tiny_model, store,
+                                                                                monkeypatch):
+    """region_refresh_steps: full steps at the cached entry's checkpoints after the resume step, evenly spread, each
+    entered with the cached checkpoint of that step outside the region: the other tokens' keys and values come from
+    a state the cached generation passed through."""
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0,
+                                            region_refresh_steps=2)
+    payload = store.trajectory(store.record(decision.entry_id))
+    planned, region, _ = resume_stage.plan_region(runner, probed, _early(decision), payload, config)
+    k = planned.resume_step
+    refreshes = sorted(region.full_steps - {k})
+    assert len(refreshes) == 2 and all(k < s < STEPS - 1 and s in payload.checkpoints for s in refreshes)
+    entered = {}
+    original = TinyDiTRunner.run
+    monkeypatch.setattr(TinyDiTRunner, "run", lambda self, x, sigmas, start, end, observer: (
+        entered.setdefault(start, x.clone()), original(self, x, sigmas, start, end, observer))[1])
+    resume_stage.follow_entry(runner, probed, planned, payload, config, GenerationObserver(), region)
+    outside = ~latent_mask_of_tokens(runner.layout, region.target, probed.latent.shape[-3:])
+    for step in refreshes:
+        cached = payload.checkpoints[step].to(entered[step].dtype)
+        assert torch.equal(entered[step][..., outside], cached[..., outside])
+
+
+def test_a_region_only_hits_checkpoints_are_the_cached_ones_outside_its_region(live_tiny_model, store):
+    """Outside the target, the sampler's latent in a region step is not the clip: the new entry's checkpoint of such
+    a step is the cached entry's outside the region (a step the cached entry kept none of is not kept)."""
     from carnator_engine.observer import CheckpointRecorder
     runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0)
     payload = store.trajectory(store.record(decision.entry_id))
     decision, region, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
     assert region is not None
-    observer = GenerationObserver(checkpoints=CheckpointRecorder(frozenset(range(STEPS))))
+    observer = GenerationObserver(checkpoints=CheckpointRecorder(frozenset(range(decision.resume_step + 1, STEPS))))
     resume_stage.follow_entry(runner, probed, decision, payload, config, observer, region)
-    end = STEPS - config.region_full_steps
-    kept = set(observer.checkpoints.latents)
-    assert end in kept and not kept & set(range(decision.resume_step, end))
+    kept = observer.checkpoints.latents
+    later = {s for s in payload.checkpoints if s > decision.resume_step}
+    assert set(kept) == later
+    outside = ~latent_mask_of_tokens(runner.layout, region.target, probed.latent.shape[-3:])
+    for step, latent in kept.items():
+        assert torch.equal(latent[..., outside], payload.checkpoints[step].to(latent.dtype)[..., outside])
 
 
 class GenerationStoreView:
@@ -149,7 +205,8 @@ def test_a_target_over_the_limit_resumes_whole_clip_with_the_reason(live_tiny_mo
 
 def test_region_only_that_would_save_too_little_resumes_whole_clip(live_tiny_model, store):
     runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0,
-                                            region_full_steps=STEPS)
+                                            region_refresh_steps=16)
+    decision = dataclasses.replace(decision, target_cells=torch.ones_like(decision.target_cells))
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     assert result.decision.reuse and result.decision.numbers["region_only"] is False
     assert any("region-only saves under 10 % here, whole-clip resume" in r for r in result.decision.reasons)
@@ -166,8 +223,9 @@ def test_a_region_only_hit_whose_entry_is_gone_is_a_full_generation(live_tiny_mo
 def test_region_settings_are_validated_with_the_fix():
     with pytest.raises(ValueError, match=r"region_max_share=0 must be in \(0, 1\]"):
         CarnatorConfig(region_max_share=0).validate(10)
-    with pytest.raises(ValueError, match="region_full_steps=-1 must be a whole number >= 0"):
-        CarnatorConfig(region_full_steps=-1).validate(10)
+    for bad in (-1, 17, 1.5, True):
+        with pytest.raises(ValueError, match=f"region_refresh_steps={bad!r} must be a whole number from 0 to 16"):
+            CarnatorConfig(region_refresh_steps=bad).validate(10)
     with pytest.raises(ValueError, match="region_only must be True or False"):
         CarnatorConfig(region_only="yes").validate(10)
     with pytest.raises(ValueError, match="region_fa4 must be True or False"):
@@ -221,9 +279,11 @@ def test_the_low_noise_experts_first_step_is_a_full_step():
     class TwoExperts:
         switch_step = 9
     decision = type("D", (), {"resume_step": 6, "steps": 12})()
-    config = CarnatorConfig(region_full_steps=1)
-    assert resume_stage._full_steps(TwoExperts(), decision, config) == {6, 9}
-    assert resume_stage._full_steps(object(), decision, config) == {6}
+    config = CarnatorConfig(region_refresh_steps=0)
+    assert resume_stage._full_steps(TwoExperts(), decision, config, None) == {6, 9}
+    assert resume_stage._full_steps(object(), decision, config, None) == {6}
+    stored = type("P", (), {"checkpoints": {s: None for s in (3, 6, 8, 10, 11)}})()
+    assert resume_stage._full_steps(object(), decision, CarnatorConfig(region_refresh_steps=1), stored) == {6, 8}
 
 
 def test_token_masks_map_back_to_the_latent_cells_they_carry(live_tiny_model):
@@ -237,16 +297,18 @@ def test_token_masks_map_back_to_the_latent_cells_they_carry(live_tiny_model):
     assert target_tokens(layout, mask, (1, 1, 1)).sum() == 27
 
 
-def test_a_hit_on_a_local_change_resumes_region_only_by_default(live_tiny_model, store):
+def test_a_hit_on_a_local_change_resumes_whole_clip_by_default(live_tiny_model, store):
+    """Region-only is off until its result is shown within 3 dB of a whole-clip hit's (docs/region-resume.md)."""
     runner, probed, decision, _ = _hit(live_tiny_model, store)                   # a corner of the clip changed
     result = resume(runner, probed, decision, store, _config(), PROMPT, 2)  # every reuse setting at its default
-    assert result.decision.numbers["region_only"] is True
-    assert 0 < result.decision.numbers["region_share"] <= CarnatorConfig().region_max_share
+    assert result.decision.reuse and "region_only" not in result.decision.numbers and not result.decision.region
 
 
 def test_the_region_setting_is_part_of_a_hits_replay_key():
     from carnator_engine.pipeline import hit_replay_key
-    assert hit_replay_key("k", CarnatorConfig()) != hit_replay_key("k", CarnatorConfig(region_only=False))
+    assert hit_replay_key("k", CarnatorConfig()) != hit_replay_key("k", CarnatorConfig(region_only=True))
+    assert hit_replay_key("k", CarnatorConfig(region_only=True)) != \
+        hit_replay_key("k", CarnatorConfig(region_only=True, region_refresh_steps=0))
 
 
 def test_a_hit_with_no_target_tokens_resumes_whole_clip(live_tiny_model, store):
@@ -269,8 +331,8 @@ def test_a_step_cache_starts_afresh_after_the_region_steps(live_tiny_model, stor
     runner.fresh_step_cache = lambda: events.append(("fresh",))
     result = resume(runner, probed, decision, store, config, PROMPT, 2)
     assert result.decision.numbers["region_only"]
-    k, end = result.decision.resume_step, STEPS - config.region_full_steps
-    assert events[-3:] == [("run", k, True), ("fresh",), ("run", end, False)]
+    runs = [event for event in events if event[0] == "run"]
+    assert runs[-1][2] and events[-1] == ("fresh",)      # after the region steps, before anything else runs
 
 
 def test_the_region_target_holds_most_of_the_difference_whatever_the_models_scale():
@@ -300,9 +362,10 @@ def test_the_region_joins_the_gates_cells_and_the_difference_on_any_grid(live_ti
     assert corner.shape != spot.shape
     planned, region, _ = resume_stage.plan_region(
         runner, probed, dataclasses.replace(decision, target_cells=corner, cell_map=spot), payload, config)
-    assert region is not None and planned.target_cells.shape == fhw
-    assert planned.target_cells[:, :4, :4].all() and planned.target_cells[:, -1, -1].all()
-    assert not planned.target_cells[:, 12:20, 12:20].any()
+    assert region is not None and torch.equal(planned.target_cells, corner)    # the start state: the gate's cells
+    computed = latent_mask_of_tokens(runner.layout, region.target, fhw)
+    assert computed[:, :4, :4].all() and computed[:, -1, -1].all()
+    assert not computed[:, 12:20, 12:20].any()
 
 
 def test_the_node_says_how_a_hit_resumed_and_what_it_expects(live_tiny_model, store):
@@ -316,7 +379,9 @@ def test_the_node_says_how_a_hit_resumed_and_what_it_expects(live_tiny_model, st
     assert summary["region"] == f"region-only on {share:.0%} of the clip"
     assert summary["expected_speedup"] == expected > STEPS / result.decision.model_calls
     text = summary_text(summary)
-    assert f"; region-only on {share:.0%} of the clip; " in text and text.endswith(f"expected {expected}x")
+    whole = round(STEPS / result.decision.model_calls, 3)
+    assert f"; region-only on {share:.0%} of the clip; " in text
+    assert text.endswith(f"expected {expected}x region-only (whole-clip: {whole}x)")
     over = resume(runner, probed, decision, store, dataclasses.replace(config, region_max_share=0.01), PROMPT, 2)
     summary = over.decision.summary()
     assert summary["region"] == f"whole clip: the change covers {share:.0%} of it, over the region-only limit of 1%"

@@ -165,7 +165,7 @@ def test_two_experts_recapture_the_other_tokens_at_the_switch(comfy, plugin, hos
     runner = ComfyRunner(high, positive, negative, 3.0, "euler", "simple", steps=STEPS, seed=SEED,
                          low_noise_model=low, switch_step=6)
     decision = type("Decision", (), {"resume_step": 3, "steps": STEPS})()
-    full = resume_stage._full_steps(runner, decision, CarnatorConfig(region_full_steps=1))
+    full = resume_stage._full_steps(runner, decision, CarnatorConfig(region_refresh_steps=0), None)
     assert full == {3, 6}
     shape = (1, 16, 5, 16, 16)
     target = torch.zeros(runner.layout.token_grid(shape), dtype=torch.bool)
