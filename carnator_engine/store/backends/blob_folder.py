@@ -23,7 +23,7 @@ import re
 
 from ..errors import StoreError, StoreUnavailable
 from ..marker import MARKER_FILE, add_to_marker, check_location, claim, read_marker
-from ..owned_files import create_new, owner, remove_own, strip
+from ..owned_files import create_new, owner, read_part, remove_own
 from .disk import _advice
 
 BLOB_NAME = re.compile(r"[0-9a-f]{32}\.blob")
@@ -118,17 +118,10 @@ class BlobFolder:
             self.check_present()
         return freed
 
-    def read(self, name: str):
-        """The blob's bytes (its header taken off), or None when it is not there."""
-        def work():
-            try:
-                with open(self.path(name), "rb") as handle:
-                    return strip(handle.read())
-            except FileNotFoundError:
-                return None
-            except IsADirectoryError:
-                return b""   # not a blob: the checksum fails and the entry is reported corrupt
-        return self._guard("read a blob", work)
+    def read(self, name: str, limit=None):
+        """The blob's bytes (its header taken off, at most `limit` of them), or None when it is not there; b"" for
+        anything at its name that is no regular file (a FIFO, a device, a link): its entry is reported corrupt."""
+        return self._guard("read a blob", lambda: read_part(self.path(name), limit))
 
     def size(self, name: str) -> int:
         try:

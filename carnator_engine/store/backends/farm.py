@@ -406,17 +406,17 @@ class FarmBackend:
     def meta(self, entry_id: str):
         return self._redis.meta(entry_id)
 
-    def part(self, entry_id: str, kind: str):
-        return self.parts([entry_id], kind)[0]
+    def part(self, entry_id: str, kind: str, limit=None):
+        return self.parts([entry_id], kind, limit)[0]
 
-    def parts(self, entry_ids: list, kind: str) -> list:
+    def parts(self, entry_ids: list, kind: str, limit=None) -> list:
         if kind != "blob":
             return self._redis.parts(entry_ids, kind)
         if not entry_ids:
             return []
         names = self._redis._guard("read entries",
                                    lambda: self._client.mget([self._name_key(e) for e in entry_ids]))
-        return [self._folder.read(name.decode()) if name is not None else None for name in names]
+        return [self._folder.read(name.decode(), limit) if name is not None else None for name in names]
 
     def check_present(self) -> None:
         """StoreUnavailable when a missing blob may be the folder's absence (unmounted, another folder in its place)
@@ -474,6 +474,9 @@ class FarmBackend:
             self._collect(due=float("inf"), need=excess)
         except (self._redis._errors.RedisError, StoreError):
             pass
+
+    def eviction_step(self):
+        return self._redis.eviction_step()
 
     def close(self) -> None:
         self._redis.close()

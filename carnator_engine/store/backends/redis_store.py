@@ -15,6 +15,7 @@ text is scrubbed of it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import urllib.parse
 import uuid
@@ -401,7 +402,8 @@ class RedisBackend:
     def meta(self, entry_id: str):
         return self._guard("read an entry", lambda: self._client.get(self._key("meta", entry_id)))
 
-    def part(self, entry_id: str, kind: str):
+    def part(self, entry_id: str, kind: str, limit=None):
+        """`limit` (a file's most bytes) is for blob files: a value in Redis has the size it was written with."""
         return self._guard("read an entry", lambda: self._client.get(self._key(kind, entry_id)))
 
     def parts(self, entry_ids: list, kind: str) -> list:
@@ -465,6 +467,11 @@ class RedisBackend:
 
     def reclaim_orphans(self) -> tuple:
         return 0, 0  # parts are written and removed in the same transaction as their metadata: none can orphan
+
+    @staticmethod
+    def eviction_step():
+        """Nothing to lock: eviction checks the store's total in its removing transaction (remove_entry)."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         self._client.close()
