@@ -215,3 +215,39 @@ def test_a_file_put_in_place_of_a_blob_or_of_the_snapshot_is_never_deleted_or_ov
     assert open(path, "rb").read() == marker_header + b"the user's own bytes"
     assert reopened.trajectory(reopened.record(entries[1])).checkpoints
     reopened.close()
+
+
+def test_two_stores_on_one_folder_evict_one_step_at_a_time(tmp_path):
+    """Two processes on one folder (two stores, each with its own lock descriptors, lock like two processes): while
+    one is inside an eviction step, the other's eviction waits, then decides from an index that took the first
+    one's eviction in; the entries evicted are those the limit needs, not one per process."""
+    import threading
+    directory, limit = str(tmp_path / "c"), 2 << 20
+    first, second = CarnatorStore(directory, limit), CarnatorStore(directory, limit)
+    while first.stats()["bytes"] < limit - (300 << 10):
+        _put(first, len(first.records()), checkpoint_elems=30_000)
+    second.stats()                                   # the second store's index holds every entry
+    inside, seen = [False], []
+    real_first, real_second = first._backend.evict, second._backend.evict
+
+    def second_evicts(entry_id, budget):
+        seen.append(inside[0])
+        return real_second(entry_id, budget)
+
+    def first_evicts(entry_id, budget):
+        inside[0] = True
+        other = threading.Thread(target=second.enforce_size_limit)
+        other.start()
+        other.join(timeout=2)      # the second store, waiting on the lock, does not evict meanwhile
+        inside[0] = False
+        outcome = real_first(entry_id, budget)
+        first._backend.evict = real_first
+        other.join()
+        return outcome
+    second._backend.evict, first._backend.evict = second_evicts, first_evicts
+    entries = len(first.records())
+    _put(first, 99, checkpoint_elems=30_000)         # over the limit by about one entry
+    assert True not in seen
+    assert len(first.records()) >= entries - 1 and first.stats()["bytes"] <= limit
+    first.close()
+    second.close()
