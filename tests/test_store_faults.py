@@ -224,10 +224,10 @@ def test_two_stores_on_one_folder_evict_one_step_at_a_time(tmp_path):
     import threading
     directory, limit = str(tmp_path / "c"), 2 << 20
     first, second = CarnatorStore(directory, limit), CarnatorStore(directory, limit)
-    while first.stats()["bytes"] < limit - (300 << 10):
+    while first.stats()["bytes"] < limit - (150 << 10):
         _put(first, len(first.records()), checkpoint_elems=30_000)
     second.stats()                                   # the second store's index holds every entry
-    inside, seen = [False], []
+    inside, seen, others = [False], [], []
     real_first, real_second = first._backend.evict, second._backend.evict
 
     def second_evicts(entry_id, budget):
@@ -237,17 +237,17 @@ def test_two_stores_on_one_folder_evict_one_step_at_a_time(tmp_path):
     def first_evicts(entry_id, budget):
         inside[0] = True
         other = threading.Thread(target=second.enforce_size_limit)
+        others.append(other)
         other.start()
         other.join(timeout=2)      # the second store, waiting on the lock, does not evict meanwhile
         inside[0] = False
         outcome = real_first(entry_id, budget)
         first._backend.evict = real_first
-        other.join()
         return outcome
     second._backend.evict, first._backend.evict = second_evicts, first_evicts
-    entries = len(first.records())
-    _put(first, 99, checkpoint_elems=30_000)         # over the limit by about one entry
+    _put(first, 99, checkpoint_elems=250_000)        # over the limit by several entries
+    others[0].join()
     assert True not in seen
-    assert len(first.records()) >= entries - 1 and first.stats()["bytes"] <= limit
+    assert first.stats()["bytes"] <= limit
     first.close()
     second.close()
