@@ -101,6 +101,12 @@ class BlobFolder:
             raise
         try:   # unmounted meanwhile: the file went into the mount point, where no other worker sees it
             written = os.stat(path).st_dev == os.stat(os.path.join(self.location, MARKER_FILE)).st_dev
+        except FileNotFoundError:
+            if os.path.isfile(os.path.join(self.location, MARKER_FILE)):
+                raise StoreError(f"Carnator blob folder {self.location!r}: the file of this write ({name}) was "
+                                 "deleted before its commit (a collector took it for a killed write, or someone "
+                                 "removed it): the entry was not stored") from None
+            written = False
         except OSError:
             written = False
         if not written:

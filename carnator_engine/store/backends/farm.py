@@ -41,7 +41,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import time
 import uuid
 
 from ..errors import StoreError
@@ -52,7 +51,7 @@ from .redis_store import BLOB_FOLDER_KEY, PREFIX, RELIST_KEY, RedisBackend
 log = logging.getLogger("carnator.store")
 
 BLOB_GRACE_SECONDS = 60      # a released blob stays readable this long (a hit reads it within a second)
-ORPHAN_GRACE_SECONDS = 600   # a registered write that has not committed after this long was killed
+ORPHAN_GRACE_SECONDS = 600   # a write's lease: one not committed after this long (server clock) was killed
 COLLECT_BATCH = 200
 GC_KEY, GC_BYTES = PREFIX + "gc", PREFIX + "gcb"
 WRITES_KEY, WRITE_BYTES = PREFIX + "w", PREFIX + "wb"
@@ -125,40 +124,57 @@ class FarmBackend:
     def _record_key(name: str) -> str:
         return f"{PREFIX}n:{name}"
 
+    @staticmethod
+    def _lease_key(name: str) -> str:
+        return f"{PREFIX}wl:{name}"
+
     # ---- writing ---------------------------------------------------------------------------------
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
+        """Every Redis call of the write under the Redis guard (a fault is StoreUnavailable or StoreError, never
+        redis-py's own exception), the collection a full disk asks for included."""
+        self._redis._guard("store an entry", lambda: self._commit(entry_id, meta, parts))
+
+    def _commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
+        """The transaction that makes the entry visible, once: it refuses where the write's record is gone or is
+        another (a collector took the write for a killed one), and where this Redis holds another store now; a
+        retry after an EXEC whose reply was lost (redis-py reports a connection dropped under WATCH as a
+        WatchError) finds the entry naming this write's file, a name chosen for this one write (its nonce), and
+        does nothing: the farm's total is never counted twice."""
         blob = parts["blob"]
         size = len(blob) + len(parts["sig"]) + len(parts["thumb"])
         name, record = self._create(entry_id, blob)
         errors = self._redis._errors
-
-        def work():
-            with self._client.pipeline(transaction=True) as pipe:
-                while True:
-                    try:
-                        pipe.watch(self._record_key(name))
-                        found = pipe.get(self._record_key(name))
-                        if found is not None and found.decode() != record:
-                            pipe.unwatch()   # a collector took it for a killed write (the write took > 10 min)
-                            raise StoreError(f"Carnator cache {self.location!r}: the blob of this entry was "
-                                             "reclaimed as a killed write before its commit: the entry was not "
-                                             "stored")
-                        pipe.multi()
-                        self._redis.queue_put(pipe, entry_id, meta, {"sig": parts["sig"], "thumb": parts["thumb"]},
-                                              size)
-                        pipe.set(self._name_key(entry_id), name)
-                        pipe.set(self._record_key(name), record)   # again: a Redis that lost its data has none
-                        self._queue_unlisted(pipe, name)             # written and live: neither in flight nor garbage
-                        # The identity and the binding with every entry: a Redis that lost its data meanwhile
-                        # (FLUSHALL) is this farm's again at once, never a Redis-only store holding a farm's entries.
-                        pipe.set(PREFIX + "store", self.identity, nx=True)
-                        pipe.set(BLOB_FOLDER_KEY, self._folder.identity, nx=True)
-                        pipe.execute()
-                        return
-                    except errors.WatchError:
-                        continue   # a collector looked at it meanwhile: look again
-        self._redis._guard("store an entry", work)
+        with self._client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self._record_key(name), self._name_key(entry_id), PREFIX + "store")
+                    if pipe.get(self._name_key(entry_id)) == name.encode():
+                        pipe.unwatch()
+                        return                # applied already: the reply of its EXEC was lost
+                    if pipe.get(self._record_key(name)) != record.encode():
+                        pipe.unwatch()
+                        self._unregister_write(name)
+                        raise StoreError(f"Carnator cache {self.location!r}: the blob of this entry was reclaimed "
+                                         "as a killed write before its commit (the write outlived its lease of "
+                                         f"{ORPHAN_GRACE_SECONDS} s, or Redis lost its data): the entry was not "
+                                         "stored")
+                    held = pipe.get(PREFIX + "store")
+                    if held is not None and held.decode() != self.identity:
+                        pipe.unwatch()
+                        raise StoreError(f"Carnator cache {self.location!r} holds another store now (identity "
+                                         f"{held.decode()[:8]}..., this farm's {self.identity[:8]}...: it lost its "
+                                         "data and a worker made a new store there): the entry was not stored; "
+                                         "see docs/farm.md, after a data loss")
+                    pipe.multi()
+                    self._redis.queue_put(pipe, entry_id, meta, {"sig": parts["sig"], "thumb": parts["thumb"]}, size)
+                    pipe.set(self._name_key(entry_id), name)
+                    self._queue_unlisted(pipe, name)             # written and live: neither in flight nor garbage
+                    pipe.delete(self._lease_key(name))
+                    pipe.execute()
+                    return
+                except errors.WatchError:
+                    continue   # a collector looked at it meanwhile, or the reply was lost: look again
 
     def _create(self, entry_id: str, blob: bytes) -> tuple:
         """The blob written into a file of its own: (its name, its record). The record (the write's nonce, the
@@ -167,7 +183,7 @@ class FarmBackend:
         for _ in range(3):
             name, nonce = uuid.uuid4().hex + ".blob", uuid.uuid4().hex
             record = f"{nonce} {entry_id} {HEADER_BYTES + len(blob)}"
-            self._redis._guard("store an entry", lambda: self._register_write(name, record, HEADER_BYTES + len(blob)))
+            self._register_write(name, record, HEADER_BYTES + len(blob))
             try:
                 created = self._write(name, nonce, blob)
             except StoreError:
@@ -180,10 +196,18 @@ class FarmBackend:
                          "give the farm a folder of its own")
 
     def _register_write(self, name: str, record: str, size: int) -> None:
+        """The write's record, listed in flight (dated by the server's clock) with its lease: a key that expires
+        ORPHAN_GRACE_SECONDS later by the server's clock, whose absence is what marks the write killed. The
+        farm's identity and folder binding are set with it where Redis lost them (FLUSHALL): the first write after
+        a data loss makes that Redis this farm's again, before any other store can be made there."""
+        now = self._redis.server_time()
         pipe = self._client.pipeline(transaction=True)
         pipe.set(self._record_key(name), record)
-        pipe.zadd(WRITES_KEY, {name: time.time()})
+        pipe.set(self._lease_key(name), 1, ex=max(1, int(ORPHAN_GRACE_SECONDS)))
+        pipe.zadd(WRITES_KEY, {name: now})
         pipe.hset(WRITE_BYTES, name, size)
+        pipe.set(PREFIX + "store", self.identity, nx=True)
+        pipe.set(BLOB_FOLDER_KEY, self._folder.identity, nx=True)
         pipe.execute()
 
     def _unregister_write(self, name: str) -> None:
@@ -191,7 +215,7 @@ class FarmBackend:
         nothing to delete)."""
         try:
             pipe = self._client.pipeline(transaction=True)
-            pipe.delete(self._record_key(name))
+            pipe.delete(self._record_key(name), self._lease_key(name))
             self._queue_unlisted(pipe, name)
             pipe.execute()
         except self._redis._errors.RedisError:
@@ -243,7 +267,7 @@ class FarmBackend:
         if LEGACY_NAME.fullmatch(name):
             pipe.srem(self._refs_key(name), entry_id)   # a shared legacy file: released by its last reference
             return
-        pipe.zadd(GC_KEY, {name: time.time()}, nx=True)
+        pipe.zadd(GC_KEY, {name: self._redis.server_time()}, nx=True)
         pipe.hset(GC_BYTES, name, size)
 
     def released_legacy(self, helds) -> None:
@@ -258,7 +282,8 @@ class FarmBackend:
             unreferenced = [name for name, left in zip(legacy, pipe.execute()) if left == 0]
             if unreferenced:
                 pipe = self._client.pipeline(transaction=True)
-                pipe.zadd(GC_KEY, {name: time.time() for name in unreferenced}, nx=True)
+                now = self._redis.server_time()
+                pipe.zadd(GC_KEY, {name: now for name in unreferenced}, nx=True)
                 pipe.hset(GC_BYTES, mapping={name: self._folder.size(name) for name in unreferenced})
                 pipe.execute()
         except self._redis._errors.RedisError:
@@ -355,7 +380,7 @@ class FarmBackend:
         """Deletes the released blobs whose grace period is over; (count, bytes). Best effort: a failure leaves them
         for the next call."""
         try:
-            return self._collect(due=time.time() - BLOB_GRACE_SECONDS)
+            return self._collect(due=self._redis.server_time() - BLOB_GRACE_SECONDS)
         except (self._redis._errors.RedisError, StoreError):
             return 0, 0
 
@@ -368,9 +393,16 @@ class FarmBackend:
     def _reclaim(self) -> tuple:
         self._relist_records()
         count, freed = self.collect()
-        cutoff = time.time() - ORPHAN_GRACE_SECONDS
-        for name in [n.decode() for n in self._client.zrangebyscore(WRITES_KEY, "-inf", cutoff)]:
-            leftovers = self._folder.temporaries(name, older_than=cutoff) if LEGACY_NAME.fullmatch(name) else []
+        now = self._redis.server_time()
+        writes = [n.decode() for n in self._client.zrange(WRITES_KEY, 0, -1)]
+        pipe = self._client.pipeline(transaction=False)
+        for name in writes:
+            pipe.exists(self._lease_key(name))
+        for name, alive in zip(writes, pipe.execute()):
+            if alive:
+                continue   # its writer's lease runs (by the server's clock, whatever the workers' clocks say)
+            legacy = LEGACY_NAME.fullmatch(name)
+            leftovers = self._folder.temporaries(name, older_than=now - ORPHAN_GRACE_SECONDS) if legacy else []
             gone = self._free(name) + sum(self._folder.free_legacy(t) for t in leftovers)
             count, freed = count + bool(gone), freed + gone
         return count, freed
@@ -396,7 +428,7 @@ class FarmBackend:
                         self._client.exists(self._redis._key("meta", entry)):
                     continue
                 pipe = self._client.pipeline(transaction=True)
-                pipe.zadd(GC_KEY, {name: time.time()}, nx=True)
+                pipe.zadd(GC_KEY, {name: self._redis.server_time()}, nx=True)
                 pipe.hset(GC_BYTES, name, int(size))
                 pipe.execute()
         self._client.set(RELIST_KEY, 1)

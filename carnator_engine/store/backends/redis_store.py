@@ -208,6 +208,12 @@ class RedisBackend:
             message = f"the server failed ({error})"
         raise StoreError(self._scrub(f"Carnator cache {self.location!r} could not {action}: {message}")) from None
 
+    def server_time(self) -> float:
+        """Seconds since the epoch by the server's clock: the one clock every worker shares (theirs may be off by
+        minutes)."""
+        seconds, microseconds = self._client.time()
+        return seconds + microseconds / 1e6
+
     def _key(self, kind: str, entry_id: str) -> str:
         return f"{PREFIX}{kind[0]}:{entry_id}"
 
