@@ -156,7 +156,7 @@ def test_four_workers_share_their_entries_and_lose_nothing(redis_server, tmp_pat
     assert _untouched(blobs, planted)
 
 
-def test_kill_9_of_a_worker_mid_write_and_of_redis_lose_nothing_acknowledged(redis_server, tmp_path, monkeypatch):
+def test_kill_9_of_a_worker_mid_write_and_of_redis_lose_nothing_acknowledged(redis_server, tmp_path):
     blobs = tmp_path / "blobs"
     planted = _marked_folder(redis_server, blobs)
     go_ahead = FORK.Queue()
