@@ -150,3 +150,19 @@ def test_a_hostile_file_at_a_blob_path_is_a_corrupt_entry_never_a_hang(farm_stor
     with pytest.raises(CorruptEntryError, match="does not match its checksum"):
         farm_store.trajectory(farm_store.record(entry))
     assert os.path.lexists(path)
+
+
+def test_after_a_flushall_a_store_made_there_costs_the_farm_no_entry_and_no_binding(farm_store, redis_server):
+    import redis
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.flushall()
+    alone = CarnatorStore(redis_server.url, 64 << 20)             # a Redis-only store in the emptied database
+    theirs = _put(alone, 1)
+    with pytest.raises(StoreError, match="holds another store now .*nothing is marked corrupt"):
+        _put(farm_store, 2)
+    assert admin.get("carnator:blob_folder") is None             # never bound to the farm's folder
+    with pytest.raises(StoreError) as refused:
+        farm_store.trajectory(farm_store.record(theirs))
+    assert not isinstance(refused.value, CorruptEntryError) and not alone.record(theirs).corrupt
+    assert alone.trajectory(alone.record(theirs)).checkpoints[4][0, 0] == 1.0
+    alone.close()

@@ -58,6 +58,17 @@ WRITES_KEY, WRITE_BYTES = PREFIX + "w", PREFIX + "wb"
 LOCATION_JOIN = " + "        # a farm's location: its Redis URL (no password), this, its blob folder
 
 
+# The farm's identity and folder binding set where Redis lost them (FLUSHALL), and only there: a Redis that holds
+# another store now (a Redis-only one made in the emptied database) is never bound to the farm's folder.
+RECLAIM_REDIS = """
+local held = redis.call('get', KEYS[1])
+if held and held ~= ARGV[1] then return held end
+redis.call('set', KEYS[1], ARGV[1])
+redis.call('set', KEYS[2], ARGV[2], 'NX')
+return false
+"""
+
+
 def _disk_full(error: BaseException) -> bool:
     cause = error.__cause__
     return isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -160,12 +171,10 @@ class FarmBackend:
                                          f"{ORPHAN_GRACE_SECONDS} s, or Redis lost its data): the entry was not "
                                          "stored")
                     held = pipe.get(PREFIX + "store")
-                    if held is not None and held.decode() != self.identity:
+                    if held != self.identity.encode():
                         pipe.unwatch()
-                        raise StoreError(f"Carnator cache {self.location!r} holds another store now (identity "
-                                         f"{held.decode()[:8]}..., this farm's {self.identity[:8]}...: it lost its "
-                                         "data and a worker made a new store there): the entry was not stored; "
-                                         "see docs/farm.md, after a data loss")
+                        self._unregister_write(name)
+                        self._refuse_other_store(held)
                     pipe.multi()
                     self._redis.queue_put(pipe, entry_id, meta, {"sig": parts["sig"], "thumb": parts["thumb"]}, size)
                     pipe.set(self._name_key(entry_id), name)
@@ -180,6 +189,7 @@ class FarmBackend:
         """The blob written into a file of its own: (its name, its record). The record (the write's nonce, the
         entry, the file's bytes) is in Redis before the file exists, and stays until the file is deleted: what
         proves the file this farm's, and finds it again wherever a worker is killed."""
+        self._hold_redis()
         for _ in range(3):
             name, nonce = uuid.uuid4().hex + ".blob", uuid.uuid4().hex
             record = f"{nonce} {entry_id} {HEADER_BYTES + len(blob)}"
@@ -195,19 +205,29 @@ class FarmBackend:
         raise StoreError(f"Carnator blob folder {self.blob_dir!r}: three new blob names were taken by other files: "
                          "give the farm a folder of its own")
 
+    def _hold_redis(self) -> None:
+        """Before a write: the farm's identity and binding back where Redis lost its data (the first write after
+        a FLUSHALL makes it this farm's again); StoreError where it holds another store now."""
+        held = self._client.eval(RECLAIM_REDIS, 2, PREFIX + "store", BLOB_FOLDER_KEY, self.identity,
+                                 self._folder.identity)
+        if held is not None:
+            self._refuse_other_store(held)
+
+    def _refuse_other_store(self, held) -> None:
+        shown = held.decode()[:8] + "..." if held else "none"
+        raise StoreError(f"Carnator cache {self.location!r} holds another store now (identity {shown}, this farm's "
+                         f"{self.identity[:8]}...: Redis lost its data and another store was made there): the entry "
+                         "was not stored and nothing is marked corrupt; see docs/farm.md, after a data loss")
+
     def _register_write(self, name: str, record: str, size: int) -> None:
         """The write's record, listed in flight (dated by the server's clock) with its lease: a key that expires
-        ORPHAN_GRACE_SECONDS later by the server's clock, whose absence is what marks the write killed. The
-        farm's identity and folder binding are set with it where Redis lost them (FLUSHALL): the first write after
-        a data loss makes that Redis this farm's again, before any other store can be made there."""
+        ORPHAN_GRACE_SECONDS later by the server's clock, whose absence is what marks the write killed."""
         now = self._redis.server_time()
         pipe = self._client.pipeline(transaction=True)
         pipe.set(self._record_key(name), record)
         pipe.set(self._lease_key(name), 1, ex=max(1, int(ORPHAN_GRACE_SECONDS)))
         pipe.zadd(WRITES_KEY, {name: now})
         pipe.hset(WRITE_BYTES, name, size)
-        pipe.set(PREFIX + "store", self.identity, nx=True)
-        pipe.set(BLOB_FOLDER_KEY, self._folder.identity, nx=True)
         pipe.execute()
 
     def _unregister_write(self, name: str) -> None:
