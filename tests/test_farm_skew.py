@@ -93,9 +93,11 @@ def test_a_commit_whose_record_is_gone_fails_and_is_never_acknowledged(farm_stor
     assert farm_store.records() == [] and admin.scard("carnator:ids") == 0
 
 
-def test_a_commit_retried_after_its_exec_went_through_applies_once(farm_store, redis_server, monkeypatch):
+@pytest.mark.parametrize("layout", ["farm", "redis only"])
+def test_a_commit_retried_after_its_exec_went_through_applies_once(redis_server, blobs, monkeypatch, layout):
     """A connection killed during EXEC: redis-py reports a WatchError, the transaction having been applied."""
     import redis
+    store = CarnatorStore(redis_server.url, 64 << 20, **({"blob_dir": blobs} if layout == "farm" else {}))
     real_execute, lost = redis.client.Pipeline.execute, []
 
     def execute(self, *args, **kwargs):
@@ -105,20 +107,34 @@ def test_a_commit_retried_after_its_exec_went_through_applies_once(farm_store, r
             lost.append(True)
             raise redis.exceptions.WatchError("A ConnectionError occurred on while watching one or more keys")
         return replies
-    farm_store._backend.total_bytes()                # the total kept from now on (recounted once)
+    store._backend.total_bytes()                     # the total kept from now on (recounted once)
     monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
-    first = _put(farm_store, 1, elems=5000)
+    first = _put(store, 1, elems=5000)
     monkeypatch.undo()
-    second = _put(farm_store, 2, elems=5000)
+    second = _put(store, 2, elems=5000)
     admin = redis.Redis.from_url(redis_server.url)
     sizes = sum(int(v) for v in admin.hvals("carnator:sz"))
     assert lost and int(admin.get("carnator:bytes")) == sizes and admin.scard("carnator:ids") == 2
-    assert farm_store.record(first) and farm_store.record(second)
+    assert len(admin.xrange("carnator:log")) == 2 and store.record(first) and store.record(second)
+    store.close()
 
 
 def _puts(pipe) -> bool:
-    """Whether the transaction queued on `pipe` is an entry's commit (it names the entry's file)."""
-    return any(args[0] == "SET" and str(args[1]).startswith("carnator:f:") for args, _ in pipe.command_stack)
+    """Whether the transaction queued on `pipe` is an entry's commit (it stores the entry's metadata)."""
+    return any(args[0] == "SET" and str(args[1]).startswith("carnator:m:") for args, _ in pipe.command_stack)
+
+
+def test_a_write_whose_file_was_deleted_before_its_commit_says_so(farm_store, monkeypatch):
+    from carnator_engine.store.backends import blob_folder
+    real_create = blob_folder.create_new
+
+    def created_then_deleted(final, data, secret):
+        real_create(final, data, secret)
+        os.remove(final)
+    monkeypatch.setattr(blob_folder, "create_new", created_then_deleted)
+    with pytest.raises(StoreError, match="was deleted before its commit") as refused:
+        _put(farm_store, 6)
+    assert "unmounted" not in str(refused.value) and farm_store.records() == []
 
 
 def test_a_full_disk_while_redis_is_gone_is_the_stores_error(farm_store, monkeypatch):

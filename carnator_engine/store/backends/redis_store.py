@@ -239,10 +239,25 @@ class RedisBackend:
         pipe.eval(ADJUST, 1, TOTAL_KEY, int(delta))
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
+        """Once: under WATCH, a connection dropped during EXEC is redis-py's WatchError instead of a silent resend of
+        the transaction, and the retry that finds this very metadata stored (it holds the write's own timestamps)
+        does nothing, so the store's total is never counted twice."""
+        key = self._key("meta", entry_id)
+
         def work():
-            pipe = self._client.pipeline(transaction=True)
-            self.queue_put(pipe, entry_id, meta, parts, sum(len(p) for p in parts.values()))
-            pipe.execute()
+            with self._client.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        pipe.watch(key)
+                        if pipe.get(key) == meta:
+                            pipe.unwatch()
+                            return   # applied already: the reply of its EXEC was lost
+                        pipe.multi()
+                        self.queue_put(pipe, entry_id, meta, parts, sum(len(p) for p in parts.values()))
+                        pipe.execute()
+                        return
+                    except self._errors.WatchError:
+                        continue
         self._guard("store an entry", work)
 
     def update(self, entry_id: str, change) -> bool:
