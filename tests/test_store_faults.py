@@ -251,3 +251,17 @@ def test_two_stores_on_one_folder_evict_one_step_at_a_time(tmp_path):
     assert first.stats()["bytes"] <= limit
     first.close()
     second.close()
+
+
+def test_a_fifo_at_the_snapshots_name_is_never_waited_on_nor_replaced(tmp_path):
+    directory = tmp_path / "c"
+    store = CarnatorStore(str(directory), 64 << 20)
+    kept = _put(store, 0)
+    store.close()
+    snapshot = directory / "index.snapshot"
+    snapshot.unlink()
+    os.mkfifo(snapshot)
+    reopened = CarnatorStore(str(directory), 64 << 20)     # rebuilt from the entries, the FIFO left alone
+    assert [r.entry_id for r in reopened.records()] == [kept]
+    reopened.close()
+    assert snapshot.is_fifo()

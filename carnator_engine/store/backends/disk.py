@@ -31,7 +31,8 @@ from ..errors import StoreError, StoreUnavailable
 from ..marker import (EMPTY, MARKER_FILE, NO_DATABASE, NO_RECORD, NOT_SQLITE, check_location, claim,
                       database_identity, marker_temporary, refuse_farm_folder)
 from .. import index_snapshot
-from ..owned_files import HEADER_BYTES, LockFile, create_new, owner, read_part, remove_own, write_whole
+from ..owned_files import (HEADER_BYTES, LockFile, create_new, owner, read_part, read_regular, remove_own,
+                           write_whole)
 
 LOG_KEEP = 100_000          # change-log records kept; a reader further behind rebuilds its index
 DB_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
@@ -508,10 +509,9 @@ class DiskBackend:
 
     def _legacy_snapshot(self, path: str) -> bool:
         try:
-            with open(path, "rb") as handle:
-                start = handle.read(HEADER_BYTES + len(index_snapshot.MAGIC))
+            start = read_regular(path, HEADER_BYTES + len(index_snapshot.MAGIC))
         except OSError:
-            return False
+            return False   # a FIFO or a link there is no snapshot of this store's, and is never waited on
         return owner(path) == self._owner and start[HEADER_BYTES:] == index_snapshot.MAGIC
 
     def eviction_step(self):
