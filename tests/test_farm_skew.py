@@ -85,7 +85,8 @@ def test_a_commit_whose_record_is_gone_fails_and_is_never_acknowledged(farm_stor
 
     def write_then_collected(self, name, nonce, blob):
         written = real_write(self, name, nonce, blob)
-        admin.delete(f"carnator:n:{name}")                        # a collector freed it meanwhile
+        os.remove(os.path.join(self.blob_dir, name))              # a collector freed it meanwhile: the file,
+        admin.delete(f"carnator:n:{name}")                        # then its record
         return written
     monkeypatch.setattr(farm.FarmBackend, "_write", write_then_collected)
     with pytest.raises(StoreError, match="reclaimed as a killed write before its commit"):
@@ -182,3 +183,22 @@ def test_after_a_flushall_a_store_made_there_costs_the_farm_no_entry_and_no_bind
     assert not isinstance(refused.value, CorruptEntryError) and not alone.record(theirs).corrupt
     assert alone.trajectory(alone.record(theirs)).checkpoints[4][0, 0] == 1.0
     alone.close()
+
+
+def test_a_write_in_flight_across_a_flushall_is_stored_whole_and_strands_no_file(farm_store, redis_server, blobs,
+                                                                                 monkeypatch):
+    import redis
+    admin = redis.Redis.from_url(redis_server.url)
+    real_write = farm.FarmBackend._write
+
+    def write_then_flushall(self, name, nonce, blob):
+        written = real_write(self, name, nonce, blob)
+        admin.flushall()                                          # Redis loses its data, the file is written
+        return written
+    monkeypatch.setattr(farm.FarmBackend, "_write", write_then_flushall)
+    entry = _put(farm_store, 7)
+    monkeypatch.undo()
+    name = admin.get(f"carnator:f:{entry}").decode()
+    assert admin.get(f"carnator:n:{name}") is not None             # its record is back: the file is counted
+    assert farm_store.trajectory(farm_store.record(entry)).checkpoints[4][0, 0] == 7.0
+    assert admin.get("carnator:store").decode() == farm_store._backend.identity

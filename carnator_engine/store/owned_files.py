@@ -97,7 +97,7 @@ def _sync_folder(folder: str) -> None:
         os.close(descriptor)
 
 
-def _holds(path: str, secret: str):
+def holds(path: str, secret: str):
     """(the file's identity (st_dev, st_ino), its size) when the regular file at `path` starts with the header of
     `secret`; None for anything else (no file, a link, a folder, a FIFO, someone else's bytes)."""
     try:
@@ -121,7 +121,7 @@ def remove_own(path: str, secret: str) -> Optional[int]:
     the unlink itself fails (a read-only folder): the caller keeps its records of the file."""
     if not os.path.lexists(path):
         return 0
-    held = _holds(path, secret)
+    held = holds(path, secret)
     if held is None:
         return None
     identity, size = held

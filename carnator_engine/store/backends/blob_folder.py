@@ -23,7 +23,7 @@ import re
 
 from ..errors import StoreError, StoreUnavailable
 from ..marker import MARKER_FILE, add_to_marker, check_location, claim, read_marker
-from ..owned_files import create_new, owner, read_part, remove_own
+from ..owned_files import create_new, holds, owner, read_part, remove_own
 from .disk import _advice
 
 BLOB_NAME = re.compile(r"[0-9a-f]{32}\.blob")
@@ -114,6 +114,10 @@ class BlobFolder:
             raise StoreUnavailable(f"Carnator blob folder {self.location!r} was unmounted during a write (is the "
                                    "shared folder mounted?): the entry was not stored")
         return True
+
+    def holds(self, name: str, nonce: str) -> bool:
+        """Whether blob `name` is there, a regular file whose header holds `nonce`."""
+        return holds(self.path(name), nonce) is not None
 
     def free(self, name: str, nonce: str):
         """Deletes blob `name` when its header holds `nonce`: the bytes freed, 0 when it is not there, None when

@@ -147,8 +147,11 @@ class FarmBackend:
         self._redis._guard("store an entry", lambda: self._commit(entry_id, meta, parts))
 
     def _commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
-        """The transaction that makes the entry visible, once: it refuses where the write's record is gone or is
-        another (a collector took the write for a killed one), and where this Redis holds another store now; a
+        """The transaction that makes the entry visible, once: it refuses where the write's record is another (a
+        collector is freeing it: it marks the record before deleting the file) or is gone with the file (a
+        collector freed it: the file goes before the record), and where this Redis holds another store now. A
+        record gone while the file still holds the write's nonce was lost by Redis (FLUSHALL): recorded again,
+        with the farm's identity and binding, and committed. A
         retry after an EXEC whose reply was lost (redis-py reports a connection dropped under WATCH as a
         WatchError) finds the entry naming this write's file, a name chosen for this one write (its nonce), and
         does nothing: the farm's total is never counted twice."""
@@ -163,7 +166,9 @@ class FarmBackend:
                     if pipe.get(self._name_key(entry_id)) == name.encode():
                         pipe.unwatch()
                         return                # applied already: the reply of its EXEC was lost
-                    if pipe.get(self._record_key(name)) != record.encode():
+                    found = pipe.get(self._record_key(name))
+                    lost = found is None and self._folder.holds(name, record.split()[0])
+                    if found != record.encode() and not lost:
                         pipe.unwatch()
                         self._unregister_write(name)
                         raise StoreError(f"Carnator cache {self.location!r}: the blob of this entry was reclaimed "
@@ -171,11 +176,15 @@ class FarmBackend:
                                          f"{ORPHAN_GRACE_SECONDS} s, or Redis lost its data): the entry was not "
                                          "stored")
                     held = pipe.get(PREFIX + "store")
-                    if held != self.identity.encode():
+                    if held != self.identity.encode() and not (held is None and lost):
                         pipe.unwatch()
                         self._unregister_write(name)
                         self._refuse_other_store(held)
                     pipe.multi()
+                    if lost:
+                        pipe.set(self._record_key(name), record)
+                        pipe.set(PREFIX + "store", self.identity, nx=True)
+                        pipe.set(BLOB_FOLDER_KEY, self._folder.identity, nx=True)
                     self._redis.queue_put(pipe, entry_id, meta, {"sig": parts["sig"], "thumb": parts["thumb"]}, size)
                     pipe.set(self._name_key(entry_id), name)
                     self._queue_unlisted(pipe, name)             # written and live: neither in flight nor garbage
