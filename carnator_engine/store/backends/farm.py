@@ -169,15 +169,15 @@ class FarmBackend:
                     found = pipe.get(self._record_key(name))
                     lost = found is None and self._folder.holds(name, record.split()[0])
                     if found != record.encode() and not lost:
-                        pipe.unwatch()
-                        self._unregister_write(name)
+                        pipe.unwatch()   # the collector freeing it (or done) drops the record: left to it
                         raise StoreError(f"Carnator cache {self.location!r}: the blob of this entry was reclaimed "
                                          "as a killed write before its commit (the write outlived its lease of "
                                          f"{ORPHAN_GRACE_SECONDS} s, or Redis lost its data): the entry was not "
                                          "stored")
                     held = pipe.get(PREFIX + "store")
                     if held != self.identity.encode() and not (held is None and lost):
-                        pipe.unwatch()
+                        pipe.unwatch()   # the file is this write's own (its nonce): deleted, never stranded
+                        self._folder.free(name, record.split()[0])
                         self._unregister_write(name)
                         self._refuse_other_store(held)
                     pipe.multi()
