@@ -288,10 +288,10 @@ class DiskBackend:
         return ("evicted" if self.remove(entry_id) else "gone"), None
 
     def _unlink(self, entry_id: str, held: bool = True) -> None:
-        """Removes the blob file of an entry that existed until now when its header proves it the one this store
-        wrote there (its recorded nonce; a blob from before the nonces: the marker's identity, taken as proof only
-        where `held`, an entry the store held until now), then the record. Anything else at its name (a file or folder someone put
-        there) is left alone; an unlink that fails keeps the record, for the orphan sweep to try again."""
+        """Removes an entry's blob file when its header proves it the one this store wrote there (its recorded
+        nonce; a blob from before the nonces: the marker's identity, taken as proof only where `held`, the entry
+        having been the store's until now), then the record. Anything else at its name (a file or folder someone
+        put there) is left alone; an unlink that fails keeps the record, for the orphan sweep to try again."""
         if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):
             return
         path, nonce = self._blob_path(entry_id), self._cache.get(f"k:{entry_id}")
