@@ -3,8 +3,10 @@ reading and deleting entries at random (trajectories of 0.3-1.5 MB, each value i
 shows), while the faults are injected on a schedule, each several times (Redis's data loss once, last): a worker killed with SIGKILL (and
 restarted), Redis killed and restarted from its append-only file, every client connection dropped, the folder
 full (a filler file on its tmpfs), the folder unmounted and mounted again, the folder read-only for a while,
-Redis's data lost (FLUSHALL), Redis down while a worker opens its store, and a second farm given the same folder.
-Files that are not Carnator's, named like its own, lie in the folder from the start.
+Redis's data lost (FLUSHALL), Redis down while a worker opens its store, a second farm given the same folder, a
+worker whose clock is 11 minutes behind or ahead (past the 10-minute lease: by a local clock, live writes look
+killed), and hostile files (a FIFO, a link to /dev/zero) put at live entries' blob paths. Files that are not
+Carnator's, named like its own, lie in the folder from the start.
 
 Reported at the end (and written as JSON):
 - acknowledged: puts that returned an entry id; lost: of those, the ones neither present (checked just before
@@ -20,6 +22,8 @@ Reported at the end (and written as JSON):
   before the FLUSHALL and at the end (not counting the files the FLUSHALL stranded, by design); uncounted_files at
   the end: records that are neither an entry's nor listed as released or in flight (so the size limit misses them);
 - foreign_touched: planted files changed or gone; second_farm_accepted: opens of a second farm not refused;
+- hostile_entries: entries whose blob was replaced by a FIFO or a /dev/zero link (their loss is the fault's, not
+  counted as torn or lost); hung_workers: workers still running 120 s after the stop (a read that blocked);
   degraded_opens: workers opened while Redis was down (each must open, not fail);
 - peak_folder_bytes against the limit (sampled every 0.2 s; the filler excluded) before the first FLUSHALL and
   over the whole run, the bytes a FLUSHALL stranded (kept by design), and the largest entry.
@@ -49,7 +53,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 FAULTS = ("kill_worker", "restart_redis", "drop_connections", "full_folder", "unmount", "read_only", "flushall",
-          "open_while_redis_down", "second_farm")
+          "open_while_redis_down", "second_farm", "skewed_worker", "hostile_files")
+SKEW_SECONDS = 11 * 60
+REAL_TIME = time.time   # events are dated by the real clock, also in a worker whose own clock is skewed
 
 
 def _signature(seed: int):
@@ -57,9 +63,12 @@ def _signature(seed: int):
     return signature(seed)
 
 
-def worker(index: int, url: str, blob_dir: str, limit: int, log_path: str, seed: int, stop) -> None:
-    """Puts, reads and deletes at random until `stop`; every event one JSON line, appended with os.write (it
-    survives SIGKILL)."""
+def worker(index: int, url: str, blob_dir: str, limit: int, log_path: str, seed: int, stop, skew: float = 0.0) \
+        -> None:
+    """Puts, reads and deletes at random until `stop`, its clock `skew` seconds off; every event one JSON line,
+    appended with os.write (it survives SIGKILL)."""
+    if skew:
+        time.time = lambda: REAL_TIME() + skew
     import torch
     torch.set_num_threads(1)
     from carnator_engine.store import CarnatorStore, StoreError, TrajectoryPayload, new_entry_id
@@ -67,7 +76,7 @@ def worker(index: int, url: str, blob_dir: str, limit: int, log_path: str, seed:
     handle = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def note(**event):
-        os.write(handle, (json.dumps({"t": time.time(), "worker": index, **event}) + "\n").encode())
+        os.write(handle, (json.dumps({"t": REAL_TIME(), "worker": index, **event}) + "\n").encode())
 
     from carnator_engine.store.backends.farm import FarmBackend
     real_delete, real_evict = CarnatorStore.delete, FarmBackend.evict
@@ -145,18 +154,19 @@ class Soak:
         self.flushes, self.second_farm_accepted, self.skipped = [], 0, []
         self.lost_at_flush, self.torn_at_flush, self.most_workers, self.kills, self.checked = [], 0, 0, 0, 0
         self.stranded_before_flush, self.files_at_flush, self.drift = [], set(), []
+        self.hostile, self.skews, self.hung = {}, 0, 0   # hostile: entry id -> the blob name replaced
 
     @staticmethod
     def _run(command) -> bool:
         return os.geteuid() == 0 and subprocess.run(command, capture_output=True).returncode == 0
 
-    def spawn(self, slot: int) -> None:
+    def spawn(self, slot: int, skew: float = 0.0) -> None:
         self.spawned += 1
         path = os.path.join(self.root, f"worker-{self.spawned}.log")
         self.log_paths.append(path)
         process = self.context.Process(target=worker, args=(
             slot, self.server.url, self.blob_dir, self.args.limit_mb << 20, path, self.args.seed * 1000 + self.spawned,
-            self.stop), daemon=True)
+            self.stop, skew), daemon=True)
         process.start()
         self.processes[slot] = process
         self.most_workers = max(self.most_workers, len(self.processes))
@@ -237,6 +247,26 @@ class Soak:
             self.spawn(slot)          # an extra worker, opened while Redis is down
             time.sleep(self.args.fault_s)
             self.server.start()
+        elif fault == "skewed_worker":
+            self.skews += 1
+            done["skew_s"] = SKEW_SECONDS if self.skews % 2 else -SKEW_SECONDS
+            self.spawn(max(self.processes) + 1, skew=done["skew_s"])   # an extra worker, its clock off
+        elif fault == "hostile_files":
+            client = redis.Redis.from_url(self.server.url)
+            ids = sorted(i.decode() for i in client.smembers("carnator:ids") if i.decode() not in self.hostile)
+            for entry, make in zip(random.Random(self.skews + len(self.hostile)).sample(ids, min(2, len(ids))),
+                                   (os.mkfifo, lambda path: os.symlink("/dev/zero", path))):
+                name = client.get(f"carnator:f:{entry}")
+                if name is None:
+                    continue
+                path = os.path.join(self.blob_dir, name.decode())
+                try:
+                    os.remove(path)
+                    make(path)
+                except OSError:
+                    continue
+                self.hostile[entry] = name.decode()
+            done["replaced"] = len(self.hostile)
         elif fault == "second_farm":
             from carnator_engine.store import CarnatorStore, StoreError
             try:
@@ -272,6 +302,7 @@ class Soak:
         for process in self.processes.values():
             process.join(timeout=120)
             if process.is_alive():
+                self.hung += 1
                 process.kill()
         self.sampling = False
         sampler.join()
@@ -292,7 +323,9 @@ class Soak:
 
     def blob_files(self) -> list:
         from carnator_engine.store.backends.blob_folder import BLOB_NAME
-        return [n for n in os.listdir(self.blob_dir) if BLOB_NAME.fullmatch(n) and n not in self.planted]
+        hostile = set(self.hostile.values())
+        return [n for n in os.listdir(self.blob_dir) if BLOB_NAME.fullmatch(n) and n not in self.planted
+                and n not in hostile]
 
     def _records(self) -> set:
         import redis
@@ -334,7 +367,7 @@ class Soak:
         if self.stop.is_set():   # the workers stopped: nothing changes the total while it is compared
             self.drift.append(abs(store._backend.total_bytes() - sum(r.size_bytes for r in present.values())))
         torn = 0
-        for record in present.values():
+        for record in [r for r in present.values() if r.entry_id not in self.hostile]:
             try:
                 checkpoint = store.trajectory(record).checkpoints[4]
                 torn += not bool((checkpoint == float(record.seed)).all())
@@ -344,7 +377,7 @@ class Soak:
         store.close()
         removed = {e["id"] for e in self.events() if e["event"] in ("evicting", "delete")}
         self.checked += len(acked)
-        return sorted(acked - set(present) - removed), len(present), torn
+        return sorted(acked - set(present) - removed - set(self.hostile)), len(present), torn
 
     def check(self, planted: dict, foreign_files_touched) -> dict:
         events = self.events()
@@ -374,6 +407,9 @@ class Soak:
             "stranded_files_at_end": len(stranded), "uncounted_files_at_end": len(uncounted),
             "foreign_files": len(planted), "foreign_touched": foreign_files_touched(self.blob_dir, planted),
             "second_farm_accepted": self.second_farm_accepted,
+            "hostile_entries": len(self.hostile), "hostile_left_in_place": sum(
+                os.path.lexists(os.path.join(self.blob_dir, n)) for n in self.hostile.values()),
+            "hung_workers": self.hung, "skewed_workers": self.skews,
             "opens": len(opens), "open_failures": sum(e["event"] == "open_failed" for e in opens),
             "degraded_opens": sum(e.get("degraded", False) for e in opens),
             "workers_at_most": self.most_workers, "writes_killed": self.kills,
@@ -418,7 +454,8 @@ def main(argv=None) -> int:
              "no_stranded_files": result["stranded_files_before_the_flushall"] == 0 and
                  result["stranded_files_at_end"] == 0 and result["uncounted_files_at_end"] == 0,
              "foreign_touched": not result["foreign_touched"], "second_farm_refused": not result["second_farm_accepted"],
-             "no_open_failed": result["open_failures"] == 0,
+             "no_open_failed": result["open_failures"] == 0, "no_hang": result["hung_workers"] == 0,
+             "hostile_files_left_alone": result["hostile_left_in_place"] == result["hostile_entries"],
              # the limit plus one entry per worker (its write lands before its eviction makes room) and per worker
              # killed mid-write (its file stays until a later open reclaims it, 10 minutes on: docs/farm.md)
              "folder_within_limit_and_one_entry_per_writer": result["peak_folder_bytes_before_a_flushall"] <=
@@ -429,7 +466,7 @@ def main(argv=None) -> int:
     for key in ("acknowledged", "checked_for_loss", "lost", "torn", "reads", "wrong_served",
                 "detected_damage", "evictions", "evicted_live_by_bookkeeping", "total_drift_bytes",
                 "stranded_files_before_the_flushall", "stranded_files_at_end", "uncounted_files_at_end",
-                "foreign_touched",
+                "foreign_touched", "hostile_entries", "hostile_left_in_place", "hung_workers", "skewed_workers",
                 "second_farm_accepted", "opens", "degraded_opens", "open_failures", "workers_at_most", "writes_killed",
                 "peak_folder_bytes_before_a_flushall", "limit_bytes", "largest_entry_bytes", "peak_folder_bytes",
                 "stranded_by_flushall_bytes"):

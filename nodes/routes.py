@@ -251,13 +251,19 @@ def parse_body(data: bytes):
 
 
 async def _read_body(request) -> bytes:
+    """At most MAX_BODY_BYTES of the body, read piece by piece: a chunked body declares no length, and the
+    application's own limit (ComfyUI raises aiohttp's to its upload size) would let it be read whole."""
+    too_large = RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes: send {{\"confirm\": true}}")
     if (request.content_length or 0) > MAX_BODY_BYTES:
-        raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes: send {{\"confirm\": true}}")
-    try:
-        return await request.read() if request.can_read_body else b""
-    except _web().HTTPRequestEntityTooLarge:  # a chunked body without a length, caught by aiohttp's own limit
-        raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes: send {{\"confirm\": true}}") \
-            from None
+        raise too_large
+    if not request.can_read_body:
+        return b""
+    data = bytearray()
+    async for piece in request.content.iter_chunked(64 << 10):
+        data += piece
+        if len(data) > MAX_BODY_BYTES:
+            raise too_large
+    return bytes(data)
 
 
 async def _clear(request):

@@ -26,7 +26,7 @@ from carnator_engine.store.backends import farm
 from carnator_engine.store.errors import StoreUnavailable
 from carnator_engine.store.marker import MARKER_FILE
 from carnator_engine.store.owned_files import header
-from test_farm_backend import _put
+from test_farm_backend import _leases_run_out, _put
 
 FORK = multiprocessing.get_context("fork")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -515,7 +515,7 @@ def test_a_worker_killed_while_freeing_or_writing_strands_no_file(redis_server, 
     assert len(_files(blobs)) == 2                                          # the released one, a half write
     again = _put(store, 9, elems=ENTRY)                                     # the killed write's content, stored
     monkeypatch.setattr(farm, "BLOB_GRACE_SECONDS", 0)
-    monkeypatch.setattr(farm, "ORPHAN_GRACE_SECONDS", 0)
+    _leases_run_out(redis_server.url)
     reopened = CarnatorStore(redis_server.url, 64 << 20, blob_dir=blobs)   # the next open reclaims both
     name = redis.Redis.from_url(redis_server.url).get(f"carnator:f:{again}").decode()
     assert _files(blobs) == {name} and reopened.stats()["overhead_bytes"] == 0

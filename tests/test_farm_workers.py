@@ -156,7 +156,7 @@ def test_four_workers_share_their_entries_and_lose_nothing(redis_server, tmp_pat
     assert _untouched(blobs, planted)
 
 
-def test_kill_9_of_a_worker_mid_write_and_of_redis_lose_nothing_acknowledged(redis_server, tmp_path, monkeypatch):
+def test_kill_9_of_a_worker_mid_write_and_of_redis_lose_nothing_acknowledged(redis_server, tmp_path):
     blobs = tmp_path / "blobs"
     planted = _marked_folder(redis_server, blobs)
     go_ahead = FORK.Queue()
@@ -175,8 +175,8 @@ def test_kill_9_of_a_worker_mid_write_and_of_redis_lose_nothing_acknowledged(red
     redis_server.stop(kill=True)      # the server dies too: only its append-only file is left
     redis_server.start()
     assert _verify_everything(redis_server.url, blobs) == stored
-    from carnator_engine.store.backends import farm
-    monkeypatch.setattr(farm, "ORPHAN_GRACE_SECONDS", 0)   # the killed write's leftovers are past their grace now
+    from test_farm_backend import _leases_run_out
+    _leases_run_out(redis_server.url)                      # the killed write's leftovers are past their lease now
     reopened = CarnatorStore(redis_server.url, 1 << 40, blob_dir=str(blobs))
     reopened.close()
     assert len(_carnator_files(blobs)) == len(stored)   # the killed write's temporary or orphan reclaimed

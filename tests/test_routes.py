@@ -172,14 +172,14 @@ def test_add_routes_is_idempotent():
 
 # ---- aiohttp handlers ---------------------------------------------------------------------------
 
-def run_client(scenario):
+def run_client(scenario, client_max_size=1024 ** 2):
     web = pytest.importorskip("aiohttp.web")
     test_utils = pytest.importorskip("aiohttp.test_utils")
 
     async def main():
         table = web.RouteTableDef()
         routes.add_routes(table)
-        app = web.Application()
+        app = web.Application(client_max_size=client_max_size)
         app.add_routes(table)
         async with test_utils.TestClient(test_utils.TestServer(app)) as client:
             await scenario(client)
@@ -294,6 +294,21 @@ def test_oversized_and_deeply_nested_bodies_are_413_and_400(registry):
         response = await client.post("/carnator/clear", data=nested, headers={"Content-Type": "application/json"})
         assert response.status == 400 and "not (plain) JSON" in (await response.json())["error"]
     run_client(scenario)
+
+
+def test_a_chunked_body_over_the_limit_is_413_after_reading_only_the_limit(registry):
+    sent = []
+
+    async def chunks():
+        for _ in range(75):               # 75 MiB, no Content-Length: the server stops reading past 1 MiB
+            sent.append(1)
+            yield b" " * (1 << 20)
+
+    async def scenario(client):
+        response = await client.post("/carnator/clear", data=chunks(), headers={"Content-Type": "application/json"})
+        assert response.status == 413 and "over 1048576 bytes" in (await response.json())["error"]
+        assert len(sent) < 75
+    run_client(scenario, client_max_size=100 * 1024 ** 2)   # ComfyUI's upload limit, far above the routes' own
 
 
 def test_a_redis_store_is_listed_without_its_password(registry, tiny_model, tmp_path):

@@ -294,7 +294,13 @@ def test_a_crash_during_delete_never_tears_a_committed_entry(tmp_path):
     assert reopened.trajectory(reopened.record(kept)).checkpoints and reopened.drain_problems() == []
 
 
-def test_a_crash_during_a_write_leaves_an_orphan_that_the_next_open_reclaims(tmp_path):
+def test_a_killed_write_leaves_an_orphan_that_the_next_open_reclaims_whatever_its_date(tmp_path):
+    """Whether a write is in flight is judged by the lock every write holds, never by its file's date: a file
+    server's clock may be a day ahead or an hour behind."""
+    import os
+    import time
+    from carnator_engine.store.backends.disk import WRITING_LOCK
+    from carnator_engine.store.owned_files import LockFile
     directory = str(tmp_path / "c")
     store = CarnatorStore(directory, 64 << 20)
     kept = _put(store, 0)
@@ -305,12 +311,20 @@ def test_a_crash_during_a_write_leaves_an_orphan_that_the_next_open_reclaims(tmp
            "sig = EarlySignature(torch.ones(2, 3, 64), torch.ones(3, 4, 4, 4), torch.full((3, 4, 4), 0.25))\n"
            "store.put(bucket='b', prompt='p', seed=1, steps=10, probe_steps=2, signature=sig, "
            "payload=TrajectoryPayload({4: torch.zeros(1, 8).half()}, {}), latent_shape=[1, 8])")
-    young = CarnatorStore(directory, 64 << 20)             # within the grace period: maybe a write in flight
-    assert young.orphans_reclaimed == 0 and [r.entry_id for r in young.records()] == [kept]
-    young.close()
-    assert _age_blobs(directory) == 2
+    blobs = os.path.join(directory, "blobs")
+    tomorrow = time.time() + 86400
+    for name in os.listdir(blobs):
+        os.utime(os.path.join(blobs, name), (tomorrow, tomorrow))
+    writer = LockFile(os.path.join(directory, WRITING_LOCK), "0" * 32)   # another process's write in flight
+    with writer.held(exclusive=False):
+        busy = CarnatorStore(directory, 64 << 20)
+        assert busy.orphans_reclaimed == 0 and [r.entry_id for r in busy.records()] == [kept]
+        busy.close()
+    writer.close()
+    assert len(os.listdir(blobs)) == 2
     reopened = CarnatorStore(directory, 64 << 20)
     assert reopened.orphans_reclaimed == 1 and [r.entry_id for r in reopened.records()] == [kept]
+    assert len(os.listdir(blobs)) == 1
 
 
 def test_the_size_limit_holds_on_disk_including_sqlite_files(tmp_path):

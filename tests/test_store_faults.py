@@ -1,4 +1,6 @@
 """Store faults: every one leaves the store usable, and none reports a healthy entry as corrupt."""
+import os
+
 import pytest
 import torch
 
@@ -12,7 +14,6 @@ def _drop_snapshot(store):
     if hasattr(backend, "_client"):
         backend._client.delete("carnator:snapshot")
     else:
-        import os
         os.remove(os.path.join(backend.location, "index.snapshot"))
 
 
@@ -139,7 +140,7 @@ def test_a_url_of_another_kind_is_refused_not_made_a_folder(tmp_path, monkeypatc
     assert not (tmp_path / "user").exists()
 
 
-def test_orphans_of_repeated_crashes_count_in_the_size_limit(tmp_path):
+def test_orphans_of_repeated_crashes_are_reclaimed_and_the_size_limit_holds(tmp_path):
     from test_store import _crash
     directory = tmp_path / "c"
     limit = 2 << 20
@@ -151,8 +152,9 @@ def test_orphans_of_repeated_crashes_count_in_the_size_limit(tmp_path):
                "sig = EarlySignature(torch.ones(2, 3, 64), torch.ones(3, 4, 4, 4), torch.full((3, 4, 4), 0.25))\n"
                f"store.put(bucket='b', prompt='p', seed={seed}, steps=10, probe_steps=2, signature=sig, "
                "payload=TrajectoryPayload({4: torch.rand(1, 100_000).half()}, {}), latent_shape=[1, 100_000])")
-    store = CarnatorStore(str(directory), limit)      # young orphans: maybe writes in flight, so kept, but counted
-    assert store.orphans_reclaimed == 0 and store.stats()["overhead_bytes"] > 3 * 200_000
+    # No write holds the folder's lock at an open: each open (the next crashing writer's too) takes the last one's file.
+    store = CarnatorStore(str(directory), limit)
+    assert store.orphans_reclaimed == 1 and len(os.listdir(directory / "blobs")) == 0
     for seed in range(10):
         _put(store, seed, checkpoint_elems=30_000)
         on_disk = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
@@ -160,17 +162,21 @@ def test_orphans_of_repeated_crashes_count_in_the_size_limit(tmp_path):
     store.close()
 
 
-def test_a_blob_replaced_by_a_folder_is_marked_corrupt_and_left_alone(store):
-    import os
+@pytest.mark.parametrize("hostile", ["folder", "fifo", "link to /dev/zero", "huge file"])
+def test_a_blob_replaced_by_something_hostile_is_marked_corrupt_and_left_alone(store, hostile):
+    """Read only as a regular file, without blocking and at most the size its record holds: a FIFO never hangs
+    the read, /dev/zero never exhausts the memory."""
     from carnator_engine.store import CorruptEntryError
     entry = _put(store, 0)
     path = store._backend._blob_path(entry)
     os.remove(path)
-    os.mkdir(path)
-    with pytest.raises(CorruptEntryError, match="missing"):
+    make = {"folder": os.mkdir, "fifo": os.mkfifo, "link to /dev/zero": lambda p: os.symlink("/dev/zero", p),
+            "huge file": lambda p: os.truncate(open(p, "wb").name, 64 << 30)}   # sparse: 64 GiB of zeros
+    make[hostile](path)
+    with pytest.raises(CorruptEntryError, match="does not match its checksum"):
         store.trajectory(store.record(entry))
     assert store.record(entry).corrupt and store.shortlist("b", _signature(0), 3) == []
-    assert store.delete(entry) and os.path.isdir(path)
+    assert store.delete(entry) and os.path.lexists(path)
 
 
 def test_a_file_put_in_place_of_a_blob_or_of_the_snapshot_is_never_deleted_or_overwritten(tmp_path):
@@ -209,3 +215,53 @@ def test_a_file_put_in_place_of_a_blob_or_of_the_snapshot_is_never_deleted_or_ov
     assert open(path, "rb").read() == marker_header + b"the user's own bytes"
     assert reopened.trajectory(reopened.record(entries[1])).checkpoints
     reopened.close()
+
+
+def test_two_stores_on_one_folder_evict_one_step_at_a_time(tmp_path):
+    """Two processes on one folder (two stores, each with its own lock descriptors, lock like two processes): while
+    one is inside an eviction step, the other's eviction waits, then decides from an index that took the first
+    one's eviction in; the entries evicted are those the limit needs, not one per process."""
+    import threading
+    directory, limit = str(tmp_path / "c"), 2 << 20
+    first, second = CarnatorStore(directory, limit), CarnatorStore(directory, limit)
+    while first.stats()["bytes"] < limit - (150 << 10):
+        _put(first, len(first.records()), checkpoint_elems=30_000)
+    second.stats()                                   # the second store's index holds every entry
+    inside, seen, others = [False], [], []
+    real_first, real_second = first._backend.evict, second._backend.evict
+
+    def second_evicts(entry_id, budget):
+        seen.append(inside[0])
+        return real_second(entry_id, budget)
+
+    def first_evicts(entry_id, budget):
+        inside[0] = True
+        other = threading.Thread(target=second.enforce_size_limit)
+        others.append(other)
+        other.start()
+        other.join(timeout=2)      # the second store, waiting on the lock, does not evict meanwhile
+        inside[0] = False
+        outcome = real_first(entry_id, budget)
+        first._backend.evict = real_first
+        return outcome
+    second._backend.evict, first._backend.evict = second_evicts, first_evicts
+    _put(first, 99, checkpoint_elems=250_000)        # over the limit by several entries
+    others[0].join()
+    assert True not in seen
+    assert first.stats()["bytes"] <= limit
+    first.close()
+    second.close()
+
+
+def test_a_fifo_at_the_snapshots_name_is_never_waited_on_nor_replaced(tmp_path):
+    directory = tmp_path / "c"
+    store = CarnatorStore(str(directory), 64 << 20)
+    kept = _put(store, 0)
+    store.close()
+    snapshot = directory / "index.snapshot"
+    snapshot.unlink()
+    os.mkfifo(snapshot)
+    reopened = CarnatorStore(str(directory), 64 << 20)     # rebuilt from the entries, the FIFO left alone
+    assert [r.entry_id for r in reopened.records()] == [kept]
+    reopened.close()
+    assert snapshot.is_fifo()

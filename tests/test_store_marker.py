@@ -180,3 +180,42 @@ def test_opening_another_programs_wal_database_as_a_store_is_refused_and_touches
         with pytest.raises(StoreError, match="not a Carnator store.*nothing in it was touched"):
             open_it()
         assert folder_state(folder) == before
+
+
+def test_deleting_an_id_that_is_no_entry_touches_no_file(tmp_path):
+    """A header copied from the marker (which anyone can read) proves nothing: only an entry the store holds, or
+    the nonce it recorded for a file, lets it delete a file."""
+    directory = tmp_path / "c"
+    store = CarnatorStore(str(directory), 64 << 20)
+    kept = _put(store, 0)
+    planted = directory / "blobs" / "00000000000000aa.blob"
+    planted.write_bytes(header(store._backend.identity) + b"user data")
+    assert not store.delete("00000000000000aa")
+    assert planted.read_bytes().endswith(b"user data") and store.record(kept)
+    store.close()
+
+
+@pytest.mark.parametrize("beside", ["a foreign cache.db", "an empty SQLite cache.db", "user files"])
+def test_a_copied_marker_beside_files_the_store_did_not_make_is_refused_and_untouched(tmp_path, beside):
+    import sqlite3
+    CarnatorStore(str(tmp_path / "original")).close()
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / MARKER_FILE).write_bytes((tmp_path / "original" / MARKER_FILE).read_bytes())
+    if beside == "user files":
+        (folder / "notes.txt").write_text("mine")
+        expected = r"mine.*holds a Carnator marker but not the store's records.*notes.txt"
+    else:
+        connection = sqlite3.connect(folder / "cache.db")
+        connection.execute("CREATE TABLE Cache (key TEXT, raw INTEGER, value BLOB)")
+        if beside == "a foreign cache.db":
+            connection.execute("INSERT INTO Cache VALUES ('orders', 1, 'mine')")
+        connection.commit()
+        connection.close()
+        expected = r"mine.*cache.db is not this store's .*another program's"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    if beside == "an empty SQLite cache.db":
+        expected = r"mine.*cache.db is not this store's"   # not diskcache's: no empty database of Carnator's
+    with pytest.raises(StoreError, match=expected):
+        CarnatorStore(str(folder))
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -70,9 +70,10 @@ def test_another_process_sees_an_entry_whole_or_not_at_all(tiny_model, store, mo
     write_blob = DiskBackend._write_blob
 
     def held(backend, entry_id, data):
-        write_blob(backend, entry_id, data)
+        nonce = write_blob(backend, entry_id, data)
         blob_written.set()
         assert release.wait(GUARD)
+        return nonce
     monkeypatch.setattr(DiskBackend, "_write_blob", held)
     first = _run(tiny_model, store, PROMPT, 1)
     assert blob_written.wait(GUARD)

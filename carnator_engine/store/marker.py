@@ -21,6 +21,7 @@ import urllib.parse
 import uuid
 
 from .errors import StoreError, StoreUnavailable
+from .owned_files import read_regular
 
 MARKER_FILE = "carnator-store.json"
 FORMAT = "carnator-store"
@@ -55,29 +56,52 @@ def check_location(directory: str) -> str:
     return real
 
 
-def _legacy_identity(directory: str):
-    """The identity key of a store made before the marker existed (Carnator's diskcache database), else None.
-    Read without changing anything in the folder: a file that is no SQLite database is never opened by SQLite, and
-    a database is opened immutable, since even a read-only connection to a WAL-mode database (diskcache's, another
-    program's) creates its -wal and -shm files beside it. An identity written only to a WAL file not yet
-    checkpointed is not seen: that folder is refused, which costs nobody a file."""
+NO_DATABASE, NOT_SQLITE, NO_RECORD, EMPTY = "none", "not SQLite", "no record", "empty"
+
+
+def database_identity(directory: str):
+    """The identity key Carnator's database in `directory` holds (every Carnator store writes it at creation), else
+    why there is none: NO_DATABASE, NOT_SQLITE, NO_RECORD (an SQLite database without that key: another program's)
+    or EMPTY (a diskcache database holding nothing: a creation interrupted before its first key). Read without
+    changing anything in the folder: a file that is no SQLite database is never opened by SQLite, and a database
+    is opened immutable, since even a read-only connection to a WAL-mode database (diskcache's, another
+    program's) creates its -wal and -shm files beside it; only where both are there already (a process killed
+    before SQLite moved its WAL into the database) is the database read through them."""
     database = os.path.join(directory, DATABASE_FILE)
     try:
-        with open(database, "rb") as handle:
-            if handle.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
-                return None
+        if read_regular(database, len(SQLITE_HEADER)) != SQLITE_HEADER:
+            return NOT_SQLITE
+    except FileNotFoundError:
+        return NO_DATABASE
     except (OSError, ValueError):    # ValueError: a path no file can have (a NUL byte)
-        return None
-    try:
-        connection = sqlite3.connect(f"file:{urllib.parse.quote(database)}?immutable=1", uri=True)
+        return NOT_SQLITE
+    quoted = urllib.parse.quote(database)
+    uris = [f"file:{quoted}?immutable=1"]
+    if all(os.path.isfile(database + suffix) for suffix in ("-wal", "-shm")):
+        uris.append(f"file:{quoted}?mode=ro")
+    found = NO_RECORD
+    for uri in uris:
         try:
-            row = connection.execute("SELECT value FROM Cache WHERE key = 'store' AND raw = 1").fetchone()
-        finally:
-            connection.close()
-    except sqlite3.Error:
-        return None
-    identity = row[0] if row else None
-    return identity if isinstance(identity, str) and IDENTITY.fullmatch(identity) else None
+            connection = sqlite3.connect(uri, uri=True)
+            try:
+                row = connection.execute("SELECT value FROM Cache WHERE key = 'store' AND raw = 1").fetchone()
+                rows = connection.execute("SELECT count(*) FROM Cache").fetchone()[0]
+                settings = connection.execute("SELECT count(*) FROM Settings").fetchone()[0]   # diskcache's
+            finally:
+                connection.close()
+        except sqlite3.Error:
+            continue
+        identity = row[0] if row else None
+        if isinstance(identity, str) and IDENTITY.fullmatch(identity):
+            return identity
+        found = EMPTY if rows == 0 and settings and found == NO_RECORD else found
+    return found
+
+
+def _legacy_identity(directory: str):
+    """The identity of a store made before the marker existed (Carnator's diskcache database), else None."""
+    identity = database_identity(directory)
+    return identity if IDENTITY.fullmatch(identity) else None
 
 
 def read_marker(directory: str) -> dict:
@@ -85,8 +109,7 @@ def read_marker(directory: str) -> dict:
     whose folder it is, and `redis`, where that farm's Redis was when it was made); StoreError when damaged."""
     path = os.path.join(directory, MARKER_FILE)
     try:
-        with open(path, "rb") as handle:
-            value = json.loads(handle.read(4096))
+        value = json.loads(read_regular(path, 4096))
         identity, version = value["identity"], value["version"]
         if value.get("format") != FORMAT or not isinstance(identity, str) or not IDENTITY.fullmatch(identity) \
                 or not isinstance(version, int) or not isinstance(value.get("farm", identity), str):
@@ -135,7 +158,7 @@ def _write_marker(directory: str, identity: str, replace: bool = False, **fields
             pass
 
 
-def _marker_temporary(name: str) -> bool:
+def marker_temporary(name: str) -> bool:
     return MARKER_TEMPORARY.fullmatch(name) is not None
 
 
@@ -163,7 +186,7 @@ def inspect(directory: str):
     except OSError as error:
         raise StoreError(f"Carnator cache directory {directory!r} cannot be read ({error.strerror or error}): "
                          f"{_path_advice(error)}") from error
-    if [name for name in present if not _marker_temporary(name)]:  # only a marker in flight: still empty
+    if [name for name in present if not marker_temporary(name)]:  # only a marker in flight: still empty
         raise StoreError(f"Carnator cache {directory!r} is a folder that is not a Carnator store (not empty, "
                          f"no {MARKER_FILE}): choose an empty or new folder; nothing in it was touched")
     return None

@@ -11,6 +11,9 @@ for files whose name is fixed (the index snapshot): the caller checks first that
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
 import stat
 import uuid
@@ -30,6 +33,45 @@ def strip(data: bytes) -> bytes:
     if data[:len(MAGIC)] == MAGIC and data[HEADER_BYTES - 1:HEADER_BYTES] == b"\n":
         return data[HEADER_BYTES:]
     return data
+
+
+def read_regular(path: str, limit: Optional[int] = None) -> bytes:
+    """At most `limit` bytes (None: all) of the regular file at `path`, opened without blocking and without
+    following a link: a FIFO, a device (/dev/zero), a folder or a link there gives OSError (never a hang, never an
+    endless read). FileNotFoundError where nothing is there."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        left = found.st_size if limit is None else limit
+        chunks = []
+        while left > 0:
+            chunk = os.read(descriptor, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(descriptor)
+
+
+NOT_A_FILE = (errno.ELOOP, errno.EINVAL, errno.EISDIR, errno.ENXIO, errno.ENODEV)   # what read_regular refuses
+
+
+def read_part(path: str, size: Optional[int] = None) -> Optional[bytes]:
+    """The bytes of a file Carnator wrote, its header taken off, at most `size` of them past the header (one more
+    byte, so that a longer file fails its checksum rather than being read whole): None where nothing is at `path`,
+    b"" where something that is no regular file is (its checksum fails: the entry is reported corrupt)."""
+    try:
+        return strip(read_regular(path, None if size is None else HEADER_BYTES + size + 1))
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        if error.errno in NOT_A_FILE:
+            return b""
+        raise
 
 
 def owner(path: str) -> Optional[str]:
@@ -55,7 +97,7 @@ def _sync_folder(folder: str) -> None:
         os.close(descriptor)
 
 
-def _holds(path: str, secret: str):
+def holds(path: str, secret: str):
     """(the file's identity (st_dev, st_ino), its size) when the regular file at `path` starts with the header of
     `secret`; None for anything else (no file, a link, a folder, a FIFO, someone else's bytes)."""
     try:
@@ -79,7 +121,7 @@ def remove_own(path: str, secret: str) -> Optional[int]:
     the unlink itself fails (a read-only folder): the caller keeps its records of the file."""
     if not os.path.lexists(path):
         return 0
-    held = _holds(path, secret)
+    held = holds(path, secret)
     if held is None:
         return None
     identity, size = held
@@ -111,6 +153,52 @@ def create_new(final: str, data: bytes, secret: str) -> None:
         except OSError:
             pass
         raise
+
+
+class LockFile:
+    """A lock the processes sharing a folder take (flock, released by the kernel when its holder dies, however it
+    dies), on a file of the store's own: made with O_EXCL when missing, opened without following a link or
+    blocking, and only ever locked, never written or deleted."""
+
+    def __init__(self, path: str, secret: str):
+        try:
+            create_new(path, b"", secret)
+        except FileExistsError:
+            pass
+        try:
+            self._descriptor = os.open(path, os.O_RDWR | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except PermissionError:   # a read-only folder: flock needs no write access (NFS's exclusive lock does)
+            self._descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        if not stat.S_ISREG(os.fstat(self._descriptor).st_mode):
+            os.close(self._descriptor)
+            raise OSError(errno.EINVAL, "not a regular file: a lock file of the store's own is expected", path)
+
+    @contextlib.contextmanager
+    def held(self, exclusive: bool = True):
+        fcntl.flock(self._descriptor, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._descriptor, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def held_if_free(self):
+        """Yields whether the exclusive lock was taken (False at once where any process holds it)."""
+        try:
+            fcntl.flock(self._descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(self._descriptor, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Idempotent, as a store's close is."""
+        if self._descriptor is not None:
+            os.close(self._descriptor)
+            self._descriptor = None
 
 
 def write_whole(final: str, data: bytes, identity: str = "") -> None:

@@ -535,26 +535,35 @@ class CarnatorStore:
             excess = self._index.bytes + backend.overhead_bytes() - self.size_limit_bytes
             if excess > 0:
                 backend.compact(excess)
-            while True:
-                budget = self.size_limit_bytes - backend.lasting_overhead_bytes()
-                if self._index.bytes <= budget:
-                    break
-                victim = self._index.queue.first(skip=keep)
-                if victim is None:
-                    break
-                outcome, _ = backend.evict(victim, budget)   # a shared store checks its own total, atomically
-                if outcome == "fits":
-                    break
-                self._forget(victim)
-                if outcome == "evicted":
-                    evicted.append(victim)
-                self._sync()   # another worker's evictions meanwhile count: evict only what is still needed
+            while self._eviction_step(backend, keep, evicted):
+                pass
             excess = self._index.bytes + backend.overhead_bytes() - self.size_limit_bytes
             if evicted and excess > 0:
                 backend.compact(excess)   # what the evictions released
         if evicted:
             log.info("carnator: evicted %d entries to stay under %d bytes", len(evicted), self.size_limit_bytes)
         return evicted
+
+    def _eviction_step(self, backend, keep: Optional[str], evicted: list) -> bool:
+        """One entry evicted where the store is over its budget; whether to look again. Under the backend's
+        eviction lock (a folder store's processes: one step at a time; a shared store's total is checked in its
+        removing transaction instead), from an index that has taken in every eviction made so far, by any process:
+        processes evicting at once never evict what another one's eviction already made room for."""
+        with backend.eviction_step():
+            self._sync()
+            budget = self.size_limit_bytes - backend.lasting_overhead_bytes()
+            if self._index.bytes <= budget:
+                return False
+            victim = self._index.queue.first(skip=keep)
+            if victim is None:
+                return False
+            outcome, _ = backend.evict(victim, budget)   # a shared store checks its own total, atomically
+            if outcome == "fits":
+                return False
+            self._forget(victim)
+            if outcome == "evicted":
+                evicted.append(victim)
+            return True
 
     # ---- reading ---------------------------------------------------------------------------------
 
@@ -642,7 +651,9 @@ class CarnatorStore:
 
     def trajectory(self, record: EntryRecord) -> TrajectoryPayload:
         _refuse_corrupt(record)
-        data = self._checked(record.entry_id, "blob", record.blob_sha256, self._backend.part(record.entry_id, "blob"))
+        # At most the bytes the record holds: a file put at its name (a link to /dev/zero) is never read whole.
+        data = self._checked(record.entry_id, "blob", record.blob_sha256,
+                             self._backend.part(record.entry_id, "blob", record.size_bytes), record.size_bytes)
         try:
             tensors = load_safetensors(data)
         except Exception as error:
@@ -688,7 +699,7 @@ class CarnatorStore:
 
     # ---- corruption ----------------------------------------------------------------------------
 
-    def _checked(self, entry_id: str, kind: str, sha: str, data: Optional[bytes]) -> bytes:
+    def _checked(self, entry_id: str, kind: str, sha: str, data: Optional[bytes], limit=None) -> bytes:
         """An entry's part as read (None: absent), whole and matching its checksum, else reported."""
         if data is None:
             if self._backend.meta(entry_id) is None:  # deleted or evicted while it was being read
@@ -696,7 +707,7 @@ class CarnatorStore:
                     self._forget(entry_id)
                 raise StoreError(f"cache entry {entry_id} was deleted or evicted meanwhile")
             self._backend.check_present()   # a folder unmounted is a fault, not damage: nothing marked
-            data = self._backend.part(entry_id, kind)   # once more: a folder mounted again since the read
+            data = self._backend.part(entry_id, kind, limit)   # once more: a folder mounted again since the read
             if data is None:
                 raise self._mark_corrupt(entry_id, f"its {kind} data is missing")
         if _sha256(data) != sha:

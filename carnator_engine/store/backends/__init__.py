@@ -9,17 +9,20 @@ change log so every process sharing the store can keep its in-memory index curre
   shared by several workers removes it only while its own total (checked in the removing transaction) exceeds
   `budget`, and answers "fits" otherwise, so workers evicting at once never take it below the limit;
 - `update(id, change)`: an atomic read-modify-write of one entry's metadata; False when the entry is gone;
-- `meta(id)`, `part(id, kind)`: bytes or None; `parts(ids, kind)`: a list of those, read in one go where the
-  medium allows; `metas()`: every (id, bytes or None) pair, streamed;
+- `meta(id)`, `part(id, kind, limit)`: bytes or None (a blob file is read as a regular file only, at most `limit`
+  bytes: a FIFO or a device at its name gives b"", never a hang); `parts(ids, kind)`: a list of those, read in one
+  go where the medium allows; `metas()`: every (id, bytes or None) pair, streamed;
 - `changes(cursor)`: (new cursor, [(op, id)]) since `cursor`, or (cursor, None) when the log no longer reaches back
   that far (the caller rebuilds); `cursor()` the current position;
 - `load_snapshot()` (bytes or None), `save_snapshot(data)`: the index snapshot (index_snapshot.py), one value
   replaced whole; `identity`: a token made when the store was created, which a snapshot names;
 - `clear()`, `overhead_bytes()` (what the store takes beyond its entries' bytes; the size limit counts it),
   `lasting_overhead_bytes()` (the part of it that stays until entries are evicted; the rest leaves, or becomes
-  entries, by itself and is never a reason to evict), `compact(excess)` (frees up to `excess` bytes without evicting), `reclaim_orphans()` -> (count, bytes),
-  `check_present()` (StoreUnavailable when a part may be missing for want of the medium, not by damage: a folder
-  unmounted), `close()`; `location`: where it lives, safe to show (no password).
+  entries, by itself and is never a reason to evict), `compact(excess)` (frees up to `excess` bytes without
+  evicting), `reclaim_orphans()` -> (count, bytes), `eviction_step()` (a context held around one eviction step:
+  the lock the processes of a folder store share; nothing for a shared store, whose removing transaction checks
+  its total), `check_present()` (StoreUnavailable when a part may be missing for want of the medium, not by
+  damage: a folder unmounted), `close()`; `location`: where it lives, safe to show (no password).
 Every failure of the medium is raised as StoreError naming the location and what to do; StoreUnavailable (one
 kind of it) when the medium cannot be reached now but the store exists (the store then serves full generations).
 

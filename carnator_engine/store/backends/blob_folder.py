@@ -23,7 +23,7 @@ import re
 
 from ..errors import StoreError, StoreUnavailable
 from ..marker import MARKER_FILE, add_to_marker, check_location, claim, read_marker
-from ..owned_files import create_new, owner, remove_own, strip
+from ..owned_files import create_new, holds, owner, read_part, remove_own
 from .disk import _advice
 
 BLOB_NAME = re.compile(r"[0-9a-f]{32}\.blob")
@@ -101,6 +101,12 @@ class BlobFolder:
             raise
         try:   # unmounted meanwhile: the file went into the mount point, where no other worker sees it
             written = os.stat(path).st_dev == os.stat(os.path.join(self.location, MARKER_FILE)).st_dev
+        except FileNotFoundError:
+            if os.path.isfile(os.path.join(self.location, MARKER_FILE)):
+                raise StoreError(f"Carnator blob folder {self.location!r}: the file of this write ({name}) was "
+                                 "deleted before its commit (a collector took it for a killed write, or someone "
+                                 "removed it): the entry was not stored") from None
+            written = False
         except OSError:
             written = False
         if not written:
@@ -108,6 +114,10 @@ class BlobFolder:
             raise StoreUnavailable(f"Carnator blob folder {self.location!r} was unmounted during a write (is the "
                                    "shared folder mounted?): the entry was not stored")
         return True
+
+    def holds(self, name: str, nonce: str) -> bool:
+        """Whether blob `name` is there, a regular file whose header holds `nonce`."""
+        return holds(self.path(name), nonce) is not None
 
     def free(self, name: str, nonce: str):
         """Deletes blob `name` when its header holds `nonce`: the bytes freed, 0 when it is not there, None when
@@ -118,17 +128,10 @@ class BlobFolder:
             self.check_present()
         return freed
 
-    def read(self, name: str):
-        """The blob's bytes (its header taken off), or None when it is not there."""
-        def work():
-            try:
-                with open(self.path(name), "rb") as handle:
-                    return strip(handle.read())
-            except FileNotFoundError:
-                return None
-            except IsADirectoryError:
-                return b""   # not a blob: the checksum fails and the entry is reported corrupt
-        return self._guard("read a blob", work)
+    def read(self, name: str, limit=None):
+        """The blob's bytes (its header taken off, at most `limit` of them), or None when it is not there; b"" for
+        anything at its name that is no regular file (a FIFO, a device, a link): its entry is reported corrupt."""
+        return self._guard("read a blob", lambda: read_part(self.path(name), limit))
 
     def size(self, name: str) -> int:
         try:

@@ -23,20 +23,25 @@ import os
 import re
 import shutil
 import sqlite3
-import time
 import uuid
 
 import diskcache
 
 from ..errors import StoreError, StoreUnavailable
-from ..marker import MARKER_FILE, check_location, claim, refuse_farm_folder
+from ..marker import (EMPTY, MARKER_FILE, NO_DATABASE, NO_RECORD, NOT_SQLITE, check_location, claim,
+                      database_identity, marker_temporary, refuse_farm_folder)
 from .. import index_snapshot
-from ..owned_files import HEADER_BYTES, create_new, owner, remove_own, strip, write_whole
+from ..owned_files import (HEADER_BYTES, LockFile, create_new, owner, read_part, read_regular, remove_own,
+                           write_whole)
 
 LOG_KEEP = 100_000          # change-log records kept; a reader further behind rebuilds its index
-ORPHAN_GRACE_SECONDS = 600  # a blob without metadata younger than this may be another process's write in flight
 DB_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
 SNAPSHOT_FILE = "index.snapshot"
+# Locks the processes on one folder share (owned_files.LockFile): every write holds WRITING_LOCK shared from its
+# blob's file to its commit, so the orphan sweep, which holds it exclusive, knows no write is in flight in any
+# process (liveness, not a file's date: a file server's clock may be hours off); one eviction step at a time holds
+# EVICTING_LOCK, so processes evicting at once each decide on the others' evictions.
+WRITING_LOCK, EVICTING_LOCK = "writing.lock", "evicting.lock"
 # Space kept back for the disk's worst day: on a full disk SQLite cannot even open (WAL mode needs its -shm and
 # -wal files) nor commit a delete, so the store could never free space itself. Released to open or delete when
 # the disk is full, written again once a delete has freed space.
@@ -76,12 +81,42 @@ def _advice(error: BaseException) -> str:
     return "check the disk, or choose another cache path"
 
 
+def _refuse_foreign(directory: str, identity: str) -> None:
+    """StoreError, with nothing in the folder touched, unless the records beside the marker (which anyone can copy)
+    are the store's own: cache.db holding the identity the marker names (or, a creation interrupted before its
+    first key, nothing at all), or no cache.db in a folder holding nothing else yet (a new store)."""
+    found = database_identity(directory)
+    if found in (identity, EMPTY):
+        return
+    if found == NO_DATABASE:
+        blobs = os.path.join(directory, "blobs")
+        others = sorted(name for name in os.listdir(directory) if name != MARKER_FILE and not marker_temporary(name)
+                        and not (name == "blobs" and os.path.isdir(blobs) and not os.listdir(blobs)))
+        if others:
+            raise StoreError(f"Carnator cache {directory!r} holds a Carnator marker but not the store's records (no "
+                             f"cache.db), beside files Carnator did not make there ({', '.join(others[:5])}"
+                             f"{', ...' if len(others) > 5 else ''}): a marker copied from elsewhere? Move them away "
+                             "or choose another folder; nothing in it was touched")
+        return
+    if found == NOT_SQLITE:
+        raise StoreError(f"Carnator cache {directory!r}: cache.db is damaged: move the directory away to start an "
+                         "empty cache (it is no SQLite database: damaged, or another program's file; nothing in it "
+                         "was touched)")
+    if found == NO_RECORD:
+        raise StoreError(f"Carnator cache {directory!r}: cache.db is not this store's (an SQLite database holding "
+                         f"no record of store {identity[:8]}..., the one its marker {MARKER_FILE} names: another "
+                         "program's, or a marker copied in from elsewhere): move one of them away; nothing in it "
+                         "was touched")
+    raise StoreError(f"Carnator cache {directory!r}: cache.db belongs to another store than its marker {MARKER_FILE} "
+                     "(copied in from elsewhere?): move one of them away; nothing in it was touched")
+
+
 class DiskBackend:
     def __init__(self, directory: str):
         directory = check_location(directory)
         refuse_farm_folder(directory)
         self.location = directory
-        self._pending_orphans = {}   # path -> bytes: orphans still in their grace period at the last sweep
+        self._sweep_waits = False   # the last orphan sweep found a write in flight: the next compact sweeps again
         self.blob_dir = os.path.join(directory, "blobs")
         database = os.path.join(directory, "cache.db")
         if os.path.isfile(database) and os.path.getsize(database) == 0:
@@ -94,12 +129,17 @@ class DiskBackend:
         # Writing the marker is a new store's write test; an existing one opens without writing (on a full disk its
         # lookups still work, and deletes free space).
         marked = self._owner = claim(directory)
-        if not os.path.isdir(self.blob_dir):
-            try:
-                os.makedirs(self.blob_dir, exist_ok=True)
-            except OSError as error:
-                raise StoreError(f"Carnator cache directory {directory!r} is not writable "
-                                 f"({error.strerror or error}): choose another cache path") from error
+        _refuse_foreign(directory, marked)
+        try:
+            os.makedirs(self.blob_dir, exist_ok=True)
+            self._writing, self._evicting = (LockFile(os.path.join(directory, name), marked)
+                                             for name in (WRITING_LOCK, EVICTING_LOCK))
+        except OSError as error:
+            if error.errno == errno.EINVAL:
+                raise StoreError(f"Carnator cache {directory!r}: {error.filename} is not this store's lock file "
+                                 "(something else is at its name, left alone): move it away") from error
+            raise StoreError(f"Carnator cache directory {directory!r} is not writable "
+                             f"({error.strerror or error}): choose another cache path") from error
         # Everything but blobs stays inside SQLite (atomic with its transaction): no diskcache value files.
         def open_database():
             cache = diskcache.Cache(
@@ -110,6 +150,14 @@ class DiskBackend:
             cache.get("seq")    # a damaged database fails here, not mid-request
             return cache
         self._cache = self._guard("open", lambda: self._with_room(open_database))
+        # The identity first: a creation interrupted after it leaves a database _refuse_foreign proves this store's.
+        self.identity = self._guard("open", lambda: self._cache.get("store"))
+        if self.identity is None:
+            self._guard("open", lambda: self._cache.add("store", marked))
+            self.identity = self._guard("open", lambda: self._cache.get("store"))
+        if self.identity != marked:
+            raise StoreError(f"Carnator cache {directory!r}: cache.db belongs to another store than its marker "
+                             f"{MARKER_FILE} (copied in from elsewhere?): move one of them away")
         self._secret = self._guard("open", lambda: self._cache.get("secret"))
         if self._secret is None:
             try:
@@ -118,13 +166,6 @@ class DiskBackend:
             except (OSError, sqlite3.Error, diskcache.Timeout):
                 pass   # a full disk: no snapshot is written until there is room
         self._keep_reserve()
-        self.identity = self._guard("open", lambda: self._cache.get("store"))
-        if self.identity is None:
-            self._guard("open", lambda: self._cache.add("store", marked))
-            self.identity = self._guard("open", lambda: self._cache.get("store"))
-        if self.identity != marked:
-            raise StoreError(f"Carnator cache {directory!r}: cache.db belongs to another store than its marker "
-                             f"{MARKER_FILE} (copied in from elsewhere?): move one of them away")
 
     def recorded_size_limit(self):
         """The size limit the store was last opened with (bytes), None before one was recorded."""
@@ -175,9 +216,9 @@ class DiskBackend:
         self._cache.set(f"l:{seq}", f"{op} {entry_id}")
         self._cache.delete(f"l:{seq - LOG_KEEP}")
 
-    def _write_blob(self, entry_id: str, blob: bytes) -> None:
+    def _write_blob(self, entry_id: str, blob: bytes) -> str:
         """The blob in a new file, its nonce recorded first (a crash after that leaves a file the orphan sweep can
-        prove its own)."""
+        prove its own); the nonce."""
         path, nonce = self._blob_path(entry_id), uuid.uuid4().hex
         self._cache.set(f"k:{entry_id}", nonce)
         try:
@@ -189,20 +230,32 @@ class DiskBackend:
         except BaseException:
             self._cache.delete(f"k:{entry_id}")
             raise
+        return nonce
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
+        """The blob's file, then the transaction that makes the entry visible, all under WRITING_LOCK held shared:
+        no orphan sweep (in any process) runs between the two. The transaction refuses where the write's nonce is
+        no longer the one recorded (its file was reclaimed after all): never an entry whose blob is missing."""
         def work():
-            self._write_blob(entry_id, parts["blob"])
+            nonce = self._write_blob(entry_id, parts["blob"])
             try:
                 with self._cache.transact():
+                    if self._cache.get(f"k:{entry_id}") != nonce:
+                        raise StoreError(f"Carnator cache {self.location!r}: the blob of entry {entry_id} was "
+                                         "reclaimed as an orphan before its commit (another process swept the "
+                                         "folder): the entry was not stored")
                     self._cache.set(f"s:{entry_id}", parts["sig"])
                     self._cache.set(f"t:{entry_id}", parts["thumb"])
                     self._cache.set(f"m:{entry_id}", meta)
                     self._log("put", entry_id)
             except BaseException:
-                self._unlink(entry_id)
+                self._unlink(entry_id, held=False)
                 raise
-        self._guard("store an entry", work)
+
+        def held():
+            with self._writing.held(exclusive=False):
+                work()
+        self._guard("store an entry", held)
 
     def update(self, entry_id: str, change) -> bool:
         def work():
@@ -223,7 +276,8 @@ class DiskBackend:
                 self._cache.delete(f"t:{entry_id}")
                 if existed:
                     self._log("del", entry_id)
-            self._unlink(entry_id)  # after the commit: a crash here leaves an orphan, not a torn entry
+            if existed:   # an id that is no entry names no file of the store's: nothing is touched
+                self._unlink(entry_id)  # after the commit: a crash here leaves an orphan, not a torn entry
             return bool(existed)
         existed = self._guard("delete an entry", lambda: self._with_room(work))
         self._keep_reserve()
@@ -233,15 +287,17 @@ class DiskBackend:
         """One process's store: the caller's index decides (`budget` unused)."""
         return ("evicted" if self.remove(entry_id) else "gone"), None
 
-    def _unlink(self, entry_id: str) -> None:
+    def _unlink(self, entry_id: str, held: bool = True) -> None:
         """Removes an entry's blob file when its header proves it the one this store wrote there (its recorded
-        nonce; a blob from before the nonces: the marker's identity), then the record. Anything else at its name (a
-        file or folder someone put there) is left alone; an unlink that fails keeps the record, for the orphan
-        sweep to try again."""
+        nonce; a blob from before the nonces: the marker's identity, taken as proof only where `held`, the entry
+        having been the store's until now), then the record. Anything else at its name (a file or folder someone
+        put there) is left alone; an unlink that fails keeps the record, for the orphan sweep to try again."""
         if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):
             return
         path, nonce = self._blob_path(entry_id), self._cache.get(f"k:{entry_id}")
         try:
+            if nonce is None and not held:
+                return
             remove_own(path, nonce if nonce is not None else self._owner)
         except OSError:
             return
@@ -266,22 +322,20 @@ class DiskBackend:
     def meta(self, entry_id: str):
         return self._guard("read an entry", lambda: self._cache.get(f"m:{entry_id}"))
 
-    def part(self, entry_id: str, kind: str):
-        return self.parts([entry_id], kind)[0]
+    def part(self, entry_id: str, kind: str, limit=None):
+        return self.parts([entry_id], kind, limit)[0]
 
-    def parts(self, entry_ids: list, kind: str) -> list:
+    def parts(self, entry_ids: list, kind: str, limit=None) -> list:
         """One part of each of several entries (bytes or None each). Key by key: on a store of 100k entries one
         SQL query for a lookup's 32 signatures measured no faster than 32 reads through diskcache (~2 ms warm)."""
         if kind != "blob":
             return self._guard("read an entry", lambda: [self._cache.get(f"{kind[0]}:{e}") for e in entry_ids])
-        return [self._blob(entry_id) for entry_id in entry_ids]
+        return [self._blob(entry_id, limit) for entry_id in entry_ids]
 
-    def _blob(self, entry_id: str):
+    def _blob(self, entry_id: str, limit):
+        """None where it is missing (the store marks the entry corrupt when its metadata still lists it)."""
         try:
-            with open(self._blob_path(entry_id), "rb") as handle:
-                return strip(handle.read())
-        except (FileNotFoundError, IsADirectoryError):
-            return None    # missing: the store marks the entry corrupt when its metadata still lists it
+            return read_part(self._blob_path(entry_id), limit)
         except OSError as error:
             raise StoreError(f"Carnator cache {self.location!r} could not read a blob ({error}): "
                              f"{_advice(error)}") from error
@@ -371,10 +425,10 @@ class DiskBackend:
                 total += os.path.getsize(os.path.join(self.location, name))
             except OSError:
                 pass
-        return total + sum(self._pending_orphans.values())
+        return total
 
     def lasting_overhead_bytes(self) -> int:
-        return self.overhead_bytes()   # orphans in their grace period stay until a sweep: evicting makes room
+        return self.overhead_bytes()
 
     def check_present(self) -> None:
         """StoreUnavailable when the folder lost its marker (a drive unmounted under a running store): a blob
@@ -384,9 +438,9 @@ class DiskBackend:
                                    "drive mounted?): requests are generated in full until it is back")
 
     def compact(self, excess: int = 0) -> None:
-        """What frees space without evicting, when the store is over its limit: orphans past their grace period
-        reclaimed, the WAL moved into cache.db and truncated."""
-        if self._pending_orphans:
+        """What frees space without evicting, when the store is over its limit: orphans reclaimed where the last
+        sweep had to wait for a write in flight, the WAL moved into cache.db and truncated."""
+        if self._sweep_waits:
             self.reclaim_orphans()
         def work():
             connection = sqlite3.connect(os.path.join(self.location, "cache.db"), timeout=10)
@@ -398,57 +452,45 @@ class DiskBackend:
 
     def reclaim_orphans(self) -> tuple:
         """Blob files no metadata refers to (a crash between a blob's write and its commit, or between a delete's
-        commit and its unlink), and temporary files of interrupted snapshot writes, older than the grace period;
-        younger ones are counted in overhead_bytes until a later sweep takes them. Only regular files under
-        Carnator's own names whose header holds what cache.db recorded for them (a blob's nonce, the snapshot's
-        secret) are ever removed: anything else is left alone, whatever its name, age or header.
-        Which ids have metadata is one scan of the keys (0.15 s at 100k entries), not a read per blob (2.5 s at
-        every open, page cache warm); a blob that looks orphaned is checked by its own key once more, since
-        another process may have committed its entry after the scan."""
+        commit and its unlink), and temporary files of interrupted snapshot writes, whatever their dates: swept
+        only while WRITING_LOCK is held exclusive, so no write is in flight in any process; where one is, the sweep
+        waits for the next compact. Only regular files under Carnator's own names whose header holds what cache.db
+        recorded for them (a blob's nonce, the snapshot's secret) are ever removed: anything else is left alone,
+        whatever its name, age or header. Which ids have metadata is one scan of the keys (0.15 s at 100k
+        entries), not a read per blob (2.5 s at every open, page cache warm)."""
+        with self._writing.held_if_free() as alone:
+            self._sweep_waits = not alone
+            return self._sweep() if alone else (0, 0)
+
+    def _sweep(self) -> tuple:
         live = self._guard("list its entries", self._meta_ids)
         found = []   # (file, the id of the entry it is the blob of, or None for a temporary file)
         for item in os.scandir(self.blob_dir):
             blob = BLOB_NAME.fullmatch(item.name)
-            if blob:
+            if blob and blob.group(1) not in live:
                 found.append((item, blob.group(1)))
         found += [(item, None) for item in os.scandir(self.location) if ROOT_TEMPORARY.fullmatch(item.name)]
         count = freed = 0
-        pending = {}
-        cutoff = time.time() - ORPHAN_GRACE_SECONDS
         for item, entry_id in found:
-            if entry_id in live:
-                continue
             try:
-                if not item.is_file(follow_symlinks=False):
-                    continue
-                stat = item.stat(follow_symlinks=False)
-                if entry_id is not None and self.meta(entry_id) is not None:
-                    continue
                 secret = self._secret if entry_id is None else self._cache.get(f"k:{entry_id}")
                 if secret is None or owner(item.path) != secret:
                     continue   # a name is no proof, nor a header anyone could copy: only the recorded secret
-                if stat.st_mtime > cutoff:
-                    pending[item.path] = stat.st_size  # maybe a write in flight: counted, not yet removed
-                    continue
-                if not remove_own(item.path, secret):
+                size = remove_own(item.path, secret)
+                if not size:
                     continue
                 if entry_id is not None:
                     self._cache.delete(f"k:{entry_id}")
             except (OSError, StoreError, sqlite3.Error, diskcache.Timeout):
                 continue
-            count, freed = count + 1, freed + stat.st_size
-        self._pending_orphans = pending
+            count, freed = count + 1, freed + size
         return count, freed
 
     # ---- the index snapshot ----------------------------------------------------------------------
 
     def load_snapshot(self):
         def work():
-            try:
-                with open(os.path.join(self.location, SNAPSHOT_FILE), "rb") as handle:
-                    return strip(handle.read())
-            except FileNotFoundError:
-                return None
+            return read_part(os.path.join(self.location, SNAPSHOT_FILE))
         return self._guard("read its index snapshot", work)
 
     def save_snapshot(self, data: bytes) -> None:
@@ -460,15 +502,24 @@ class DiskBackend:
         if os.path.lexists(path) and owner(path) != self._secret and not self._legacy_snapshot(path):
             raise StoreError(f"Carnator cache {self.location!r}: {path} is not this store's snapshot (left alone): "
                              "move it away")
-        self._guard("write its index snapshot", lambda: write_whole(path, data, self._secret))
+        def work():
+            with self._writing.held(exclusive=False):   # its temporary file is no orphan while it is written
+                write_whole(path, data, self._secret)
+        self._guard("write its index snapshot", work)
 
     def _legacy_snapshot(self, path: str) -> bool:
         try:
-            with open(path, "rb") as handle:
-                start = handle.read(HEADER_BYTES + len(index_snapshot.MAGIC))
+            start = read_regular(path, HEADER_BYTES + len(index_snapshot.MAGIC))
         except OSError:
-            return False
+            return False   # a FIFO or a link there is no snapshot of this store's, and is never waited on
         return owner(path) == self._owner and start[HEADER_BYTES:] == index_snapshot.MAGIC
+
+    def eviction_step(self):
+        """The lock one eviction step holds (CarnatorStore.enforce_size_limit): the processes on this folder
+        evict one at a time, each from an index that has taken in the others' evictions."""
+        return self._evicting.held()
 
     def close(self) -> None:
         self._cache.close()
+        self._writing.close()
+        self._evicting.close()

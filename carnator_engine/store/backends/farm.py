@@ -41,7 +41,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import time
 import uuid
 
 from ..errors import StoreError
@@ -52,11 +51,22 @@ from .redis_store import BLOB_FOLDER_KEY, PREFIX, RELIST_KEY, RedisBackend
 log = logging.getLogger("carnator.store")
 
 BLOB_GRACE_SECONDS = 60      # a released blob stays readable this long (a hit reads it within a second)
-ORPHAN_GRACE_SECONDS = 600   # a registered write that has not committed after this long was killed
+ORPHAN_GRACE_SECONDS = 600   # a write's lease: one not committed after this long (server clock) was killed
 COLLECT_BATCH = 200
 GC_KEY, GC_BYTES = PREFIX + "gc", PREFIX + "gcb"
 WRITES_KEY, WRITE_BYTES = PREFIX + "w", PREFIX + "wb"
 LOCATION_JOIN = " + "        # a farm's location: its Redis URL (no password), this, its blob folder
+
+
+# The farm's identity and folder binding set where Redis lost them (FLUSHALL), and only there: a Redis that holds
+# another store now (a Redis-only one made in the emptied database) is never bound to the farm's folder.
+RECLAIM_REDIS = """
+local held = redis.call('get', KEYS[1])
+if held and held ~= ARGV[1] then return held end
+redis.call('set', KEYS[1], ARGV[1])
+redis.call('set', KEYS[2], ARGV[2], 'NX')
+return false
+"""
 
 
 def _disk_full(error: BaseException) -> bool:
@@ -125,49 +135,74 @@ class FarmBackend:
     def _record_key(name: str) -> str:
         return f"{PREFIX}n:{name}"
 
+    @staticmethod
+    def _lease_key(name: str) -> str:
+        return f"{PREFIX}wl:{name}"
+
     # ---- writing ---------------------------------------------------------------------------------
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
+        """Every Redis call of the write under the Redis guard (a fault is StoreUnavailable or StoreError, never
+        redis-py's own exception), the collection a full disk asks for included."""
+        self._redis._guard("store an entry", lambda: self._commit(entry_id, meta, parts))
+
+    def _commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
+        """The transaction that makes the entry visible, once: it refuses where the write's record is another (a
+        collector is freeing it: it marks the record before deleting the file) or is gone with the file (a
+        collector freed it: the file goes before the record), and where this Redis holds another store now. A
+        record gone while the file still holds the write's nonce was lost by Redis (FLUSHALL): recorded again,
+        with the farm's identity and binding, and committed. A
+        retry after an EXEC whose reply was lost (redis-py reports a connection dropped under WATCH as a
+        WatchError) finds the entry naming this write's file, a name chosen for this one write (its nonce), and
+        does nothing: the farm's total is never counted twice."""
         blob = parts["blob"]
         size = len(blob) + len(parts["sig"]) + len(parts["thumb"])
         name, record = self._create(entry_id, blob)
         errors = self._redis._errors
-
-        def work():
-            with self._client.pipeline(transaction=True) as pipe:
-                while True:
-                    try:
-                        pipe.watch(self._record_key(name))
-                        found = pipe.get(self._record_key(name))
-                        if found is not None and found.decode() != record:
-                            pipe.unwatch()   # a collector took it for a killed write (the write took > 10 min)
-                            raise StoreError(f"Carnator cache {self.location!r}: the blob of this entry was "
-                                             "reclaimed as a killed write before its commit: the entry was not "
-                                             "stored")
-                        pipe.multi()
-                        self._redis.queue_put(pipe, entry_id, meta, {"sig": parts["sig"], "thumb": parts["thumb"]},
-                                              size)
-                        pipe.set(self._name_key(entry_id), name)
-                        pipe.set(self._record_key(name), record)   # again: a Redis that lost its data has none
-                        self._queue_unlisted(pipe, name)             # written and live: neither in flight nor garbage
-                        # The identity and the binding with every entry: a Redis that lost its data meanwhile
-                        # (FLUSHALL) is this farm's again at once, never a Redis-only store holding a farm's entries.
+        with self._client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self._record_key(name), self._name_key(entry_id), PREFIX + "store")
+                    if pipe.get(self._name_key(entry_id)) == name.encode():
+                        pipe.unwatch()
+                        return                # applied already: the reply of its EXEC was lost
+                    found = pipe.get(self._record_key(name))
+                    lost = found is None and self._folder.holds(name, record.split()[0])
+                    if found != record.encode() and not lost:
+                        pipe.unwatch()   # the collector freeing it (or done) drops the record: left to it
+                        raise StoreError(f"Carnator cache {self.location!r}: the blob of this entry was reclaimed "
+                                         "as a killed write before its commit (the write outlived its lease of "
+                                         f"{ORPHAN_GRACE_SECONDS} s, or Redis lost its data): the entry was not "
+                                         "stored")
+                    held = pipe.get(PREFIX + "store")
+                    if held != self.identity.encode() and not (held is None and lost):
+                        pipe.unwatch()   # the file is this write's own (its nonce): deleted, never stranded
+                        self._folder.free(name, record.split()[0])
+                        self._unregister_write(name)
+                        self._refuse_other_store(held)
+                    pipe.multi()
+                    if lost:
+                        pipe.set(self._record_key(name), record)
                         pipe.set(PREFIX + "store", self.identity, nx=True)
                         pipe.set(BLOB_FOLDER_KEY, self._folder.identity, nx=True)
-                        pipe.execute()
-                        return
-                    except errors.WatchError:
-                        continue   # a collector looked at it meanwhile: look again
-        self._redis._guard("store an entry", work)
+                    self._redis.queue_put(pipe, entry_id, meta, {"sig": parts["sig"], "thumb": parts["thumb"]}, size)
+                    pipe.set(self._name_key(entry_id), name)
+                    self._queue_unlisted(pipe, name)             # written and live: neither in flight nor garbage
+                    pipe.delete(self._lease_key(name))
+                    pipe.execute()
+                    return
+                except errors.WatchError:
+                    continue   # a collector looked at it meanwhile, or the reply was lost: look again
 
     def _create(self, entry_id: str, blob: bytes) -> tuple:
         """The blob written into a file of its own: (its name, its record). The record (the write's nonce, the
         entry, the file's bytes) is in Redis before the file exists, and stays until the file is deleted: what
         proves the file this farm's, and finds it again wherever a worker is killed."""
+        self._hold_redis()
         for _ in range(3):
             name, nonce = uuid.uuid4().hex + ".blob", uuid.uuid4().hex
             record = f"{nonce} {entry_id} {HEADER_BYTES + len(blob)}"
-            self._redis._guard("store an entry", lambda: self._register_write(name, record, HEADER_BYTES + len(blob)))
+            self._register_write(name, record, HEADER_BYTES + len(blob))
             try:
                 created = self._write(name, nonce, blob)
             except StoreError:
@@ -179,10 +214,28 @@ class FarmBackend:
         raise StoreError(f"Carnator blob folder {self.blob_dir!r}: three new blob names were taken by other files: "
                          "give the farm a folder of its own")
 
+    def _hold_redis(self) -> None:
+        """Before a write: the farm's identity and binding back where Redis lost its data (the first write after
+        a FLUSHALL makes it this farm's again); StoreError where it holds another store now."""
+        held = self._client.eval(RECLAIM_REDIS, 2, PREFIX + "store", BLOB_FOLDER_KEY, self.identity,
+                                 self._folder.identity)
+        if held is not None:
+            self._refuse_other_store(held)
+
+    def _refuse_other_store(self, held) -> None:
+        shown = held.decode()[:8] + "..." if held else "none"
+        raise StoreError(f"Carnator cache {self.location!r} holds another store now (identity {shown}, this farm's "
+                         f"{self.identity[:8]}...: Redis lost its data and another store was made there): the entry "
+                         "was not stored and nothing is marked corrupt; see docs/farm.md, after a data loss")
+
     def _register_write(self, name: str, record: str, size: int) -> None:
+        """The write's record, listed in flight (dated by the server's clock) with its lease: a key that expires
+        ORPHAN_GRACE_SECONDS later by the server's clock, whose absence is what marks the write killed."""
+        now = self._redis.server_time()
         pipe = self._client.pipeline(transaction=True)
         pipe.set(self._record_key(name), record)
-        pipe.zadd(WRITES_KEY, {name: time.time()})
+        pipe.set(self._lease_key(name), 1, ex=max(1, int(ORPHAN_GRACE_SECONDS)))
+        pipe.zadd(WRITES_KEY, {name: now})
         pipe.hset(WRITE_BYTES, name, size)
         pipe.execute()
 
@@ -191,7 +244,7 @@ class FarmBackend:
         nothing to delete)."""
         try:
             pipe = self._client.pipeline(transaction=True)
-            pipe.delete(self._record_key(name))
+            pipe.delete(self._record_key(name), self._lease_key(name))
             self._queue_unlisted(pipe, name)
             pipe.execute()
         except self._redis._errors.RedisError:
@@ -243,7 +296,7 @@ class FarmBackend:
         if LEGACY_NAME.fullmatch(name):
             pipe.srem(self._refs_key(name), entry_id)   # a shared legacy file: released by its last reference
             return
-        pipe.zadd(GC_KEY, {name: time.time()}, nx=True)
+        pipe.zadd(GC_KEY, {name: self._redis.server_time()}, nx=True)
         pipe.hset(GC_BYTES, name, size)
 
     def released_legacy(self, helds) -> None:
@@ -258,7 +311,8 @@ class FarmBackend:
             unreferenced = [name for name, left in zip(legacy, pipe.execute()) if left == 0]
             if unreferenced:
                 pipe = self._client.pipeline(transaction=True)
-                pipe.zadd(GC_KEY, {name: time.time() for name in unreferenced}, nx=True)
+                now = self._redis.server_time()
+                pipe.zadd(GC_KEY, {name: now for name in unreferenced}, nx=True)
                 pipe.hset(GC_BYTES, mapping={name: self._folder.size(name) for name in unreferenced})
                 pipe.execute()
         except self._redis._errors.RedisError:
@@ -355,7 +409,7 @@ class FarmBackend:
         """Deletes the released blobs whose grace period is over; (count, bytes). Best effort: a failure leaves them
         for the next call."""
         try:
-            return self._collect(due=time.time() - BLOB_GRACE_SECONDS)
+            return self._collect(due=self._redis.server_time() - BLOB_GRACE_SECONDS)
         except (self._redis._errors.RedisError, StoreError):
             return 0, 0
 
@@ -368,9 +422,16 @@ class FarmBackend:
     def _reclaim(self) -> tuple:
         self._relist_records()
         count, freed = self.collect()
-        cutoff = time.time() - ORPHAN_GRACE_SECONDS
-        for name in [n.decode() for n in self._client.zrangebyscore(WRITES_KEY, "-inf", cutoff)]:
-            leftovers = self._folder.temporaries(name, older_than=cutoff) if LEGACY_NAME.fullmatch(name) else []
+        now = self._redis.server_time()
+        writes = [n.decode() for n in self._client.zrange(WRITES_KEY, 0, -1)]
+        pipe = self._client.pipeline(transaction=False)
+        for name in writes:
+            pipe.exists(self._lease_key(name))
+        for name, alive in zip(writes, pipe.execute()):
+            if alive:
+                continue   # its writer's lease runs (by the server's clock, whatever the workers' clocks say)
+            legacy = LEGACY_NAME.fullmatch(name)
+            leftovers = self._folder.temporaries(name, older_than=now - ORPHAN_GRACE_SECONDS) if legacy else []
             gone = self._free(name) + sum(self._folder.free_legacy(t) for t in leftovers)
             count, freed = count + bool(gone), freed + gone
         return count, freed
@@ -396,7 +457,7 @@ class FarmBackend:
                         self._client.exists(self._redis._key("meta", entry)):
                     continue
                 pipe = self._client.pipeline(transaction=True)
-                pipe.zadd(GC_KEY, {name: time.time()}, nx=True)
+                pipe.zadd(GC_KEY, {name: self._redis.server_time()}, nx=True)
                 pipe.hset(GC_BYTES, name, int(size))
                 pipe.execute()
         self._client.set(RELIST_KEY, 1)
@@ -406,17 +467,17 @@ class FarmBackend:
     def meta(self, entry_id: str):
         return self._redis.meta(entry_id)
 
-    def part(self, entry_id: str, kind: str):
-        return self.parts([entry_id], kind)[0]
+    def part(self, entry_id: str, kind: str, limit=None):
+        return self.parts([entry_id], kind, limit)[0]
 
-    def parts(self, entry_ids: list, kind: str) -> list:
+    def parts(self, entry_ids: list, kind: str, limit=None) -> list:
         if kind != "blob":
             return self._redis.parts(entry_ids, kind)
         if not entry_ids:
             return []
         names = self._redis._guard("read entries",
                                    lambda: self._client.mget([self._name_key(e) for e in entry_ids]))
-        return [self._folder.read(name.decode()) if name is not None else None for name in names]
+        return [self._folder.read(name.decode(), limit) if name is not None else None for name in names]
 
     def check_present(self) -> None:
         """StoreUnavailable when a missing blob may be the folder's absence (unmounted, another folder in its place)
@@ -474,6 +535,9 @@ class FarmBackend:
             self._collect(due=float("inf"), need=excess)
         except (self._redis._errors.RedisError, StoreError):
             pass
+
+    def eviction_step(self):
+        return self._redis.eviction_step()
 
     def close(self) -> None:
         self._redis.close()

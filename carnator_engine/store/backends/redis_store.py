@@ -15,6 +15,7 @@ text is scrubbed of it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import urllib.parse
 import uuid
@@ -207,6 +208,12 @@ class RedisBackend:
             message = f"the server failed ({error})"
         raise StoreError(self._scrub(f"Carnator cache {self.location!r} could not {action}: {message}")) from None
 
+    def server_time(self) -> float:
+        """Seconds since the epoch by the server's clock: the one clock every worker shares (theirs may be off by
+        minutes)."""
+        seconds, microseconds = self._client.time()
+        return seconds + microseconds / 1e6
+
     def _key(self, kind: str, entry_id: str) -> str:
         return f"{PREFIX}{kind[0]}:{entry_id}"
 
@@ -232,10 +239,25 @@ class RedisBackend:
         pipe.eval(ADJUST, 1, TOTAL_KEY, int(delta))
 
     def commit(self, entry_id: str, meta: bytes, parts: dict) -> None:
+        """Once: under WATCH, a connection dropped during EXEC is redis-py's WatchError instead of a silent resend of
+        the transaction, and the retry that finds this very metadata stored (it holds the write's own timestamps)
+        does nothing, so the store's total is never counted twice."""
+        key = self._key("meta", entry_id)
+
         def work():
-            pipe = self._client.pipeline(transaction=True)
-            self.queue_put(pipe, entry_id, meta, parts, sum(len(p) for p in parts.values()))
-            pipe.execute()
+            with self._client.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        pipe.watch(key)
+                        if pipe.get(key) == meta:
+                            pipe.unwatch()
+                            return   # applied already: the reply of its EXEC was lost
+                        pipe.multi()
+                        self.queue_put(pipe, entry_id, meta, parts, sum(len(p) for p in parts.values()))
+                        pipe.execute()
+                        return
+                    except self._errors.WatchError:
+                        continue
         self._guard("store an entry", work)
 
     def update(self, entry_id: str, change) -> bool:
@@ -401,7 +423,8 @@ class RedisBackend:
     def meta(self, entry_id: str):
         return self._guard("read an entry", lambda: self._client.get(self._key("meta", entry_id)))
 
-    def part(self, entry_id: str, kind: str):
+    def part(self, entry_id: str, kind: str, limit=None):
+        """`limit` (a file's most bytes) is for blob files: a value in Redis has the size it was written with."""
         return self._guard("read an entry", lambda: self._client.get(self._key(kind, entry_id)))
 
     def parts(self, entry_ids: list, kind: str) -> list:
@@ -465,6 +488,11 @@ class RedisBackend:
 
     def reclaim_orphans(self) -> tuple:
         return 0, 0  # parts are written and removed in the same transaction as their metadata: none can orphan
+
+    @staticmethod
+    def eviction_step():
+        """Nothing to lock: eviction checks the store's total in its removing transaction (remove_entry)."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         self._client.close()
