@@ -25,6 +25,8 @@ and miss interleaved in alternating order:
   region hit N% 16-bit (and +easycache)   the region-only hit with CarnatorConfig.region_kv_8bit off: the kept keys
                         and values in the model's 16 bits, not the default's 8 (--region-16bit-shares);
                         rel_l2_vs_default: against the default's region-only hit at the same share, where it ran
+  region hit N% no refresh   the region-only hit without refresh steps (region_refresh_steps 0, the default 2:
+                        full steps from the cached trajectory's checkpoints; --region-refresh0-shares)
   cfg5 plain / easycache / miss / hit   the same with cfg 5 (cond + uncond)
 Relative L2 differences are against plain (and, for miss+easycache, against easycache alone). The gate runs with
 its defaults (no overrides); a hit it accepts at another checkpoint than k is forced to k (gpu_host.carnator_hit).
@@ -99,6 +101,9 @@ def parse_args(argv=None):
     parser.add_argument("--region-sparse-shares", type=shares_list, default=[],
                         help="target shares of region-only hits with region_sparse_keys (alone and with EasyCache), "
                              "beside the others; empty (default): none")
+    parser.add_argument("--region-refresh0-shares", type=shares_list, default=[],
+                        help="target shares of region-only hits without refresh steps (region_refresh_steps 0), "
+                             "beside the default's; empty (default): none")
     parser.add_argument("--region-16bit-shares", type=shares_list, default=[],
                         help="target shares of region-only hits with region_kv_8bit off (alone and with EasyCache); "
                              "empty: none")
@@ -425,6 +430,8 @@ def run(args):
                                     sparse_keys))
                 cases.update(region(runner, store, calls, base_latent, " 16-bit", args.region_16bit_shares,
                                     sixteen_bit))
+                cases.update(region(runner, store, calls, base_latent, " no refresh", args.region_refresh0_shares,
+                                    dataclasses.replace(config, region_refresh_steps=0)))
             save()
             if args.compile:
                 continue      # EasyCache inside a compiled model recompiles it at every step: not timed so
