@@ -255,6 +255,8 @@ def _verdict(summary: dict) -> str:
     written = "being stored" if summary.get("store_pending") else "stored"   # the write may still be under way
     stored = f"; {written} as {summary['stored_as']}" if summary.get("stored_as") else ""
     cost = cost_text(summary)
+    if summary.get("plain"):    # reuse off for this host or latent (hosts/contract.py): sampled as a KSampler does
+        return f"Carnator OFF: {summary.get('why')}; {cost}, nothing stored"
     if summary.get("exact_repeat"):
         return (f"Carnator REPEAT: every input matches entry {summary.get('entry_id')}, an earlier generation; "
                 f"its stored result, {cost}")
