@@ -152,6 +152,15 @@ def _hidden(cls, name: str):
     return getattr(cls.hidden, name, None) if cls.hidden is not None else None
 
 
+def _noted(runner, summary: dict) -> dict:
+    """The summary with how the host shaped the run: under dynamic VRAM, a region-only hit's kept keys and values were
+    all in host memory (kept_kv), with the reason."""
+    paged = getattr(getattr(runner, "memory", None), "paged", "")
+    if paged and "region_streamed_bytes" in (summary.get("numbers") or {}):
+        return {**summary, "notes": [paged]}
+    return summary
+
+
 def _given_out(unique_id, summary: dict, result=None, store: Optional[CarnatorStore] = None) -> tuple:
     """(summary_json, node text) of a decision, sent to the node's web widget too: all three from one summary,
     with the deciding reasons of a miss (inputs.explained). With the generation `result`: its write's outcome is
@@ -559,7 +568,7 @@ class CarnatorTrajectoryResume(io.ComfyNode):
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
                                  bundle.model_name)
-        summary_json, text = _given_out(_hidden(cls, "unique_id"), result.summary(), result, store)
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), _noted(runner, result.summary()), result, store)
         return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), summary_json, ui=text)
 
 
@@ -599,7 +608,7 @@ class CarnatorSampler(io.ComfyNode):
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
                                    seed=int(seed), model_name=model_label(graph, unique_id))
-        summary_json, text = _given_out(unique_id, result.summary(), result, store)
+        summary_json, text = _given_out(unique_id, _noted(runner, result.summary()), result, store)
         return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), summary_json, ui=text)
 
 

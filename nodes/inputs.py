@@ -244,9 +244,11 @@ def explained(summary: dict) -> dict:
 
 
 def summary_text(summary: dict) -> str:
-    """The node's one-line verdict, then any warning (a store fault that made the request a full generation)."""
+    """The node's one-line verdict, then any note (dynamic VRAM kept a region's keys and values off the GPU) and any
+    warning (a store fault that made the request a full generation)."""
     warnings = "".join(f"\nwarning: {w}" for w in summary.get("warnings") or [])
-    return _verdict(summary) + warnings
+    notes = "".join(f"\nnote: {n}" for n in summary.get("notes") or [])    # how the host shaped this run
+    return _verdict(summary) + notes + warnings
 
 
 def _verdict(summary: dict) -> str:

@@ -569,7 +569,8 @@ class ComfyRunner:
         # part of the bucket: a hit only ever resumes a generation of the same start image ("" for text-to-video)
         self.image_fingerprint = start_image_fingerprint(positive, negative, self.kept_latent, self.noise_mask)
         self.carry = StepCacheCarry()                # the step cache's state from one run of the request to the next
-        self.memory = TorchMemory(_host_free_memory)   # what a region-only resume may keep on the GPU (kept_kv)
+        # what a region-only resume may keep on the GPU (kept_kv): nothing under dynamic VRAM
+        self.memory = TorchMemory(_host_free_memory, paged=contract.dynamic_vram(model))
         # what torch compiles in this request's runs, when a model is compiled (shared by with_step_callback's clones)
         settings = [compile_settings(m) for m in (model, low_noise_model) if m is not None]
         self.compile_watch = CompileWatch() if any(s is not None for s in settings) else None

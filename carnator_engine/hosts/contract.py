@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import sys
 
 from .model_key import host_version
 
@@ -122,6 +123,19 @@ def nested_latent_refusal(latent_image) -> str:
             "does")
 
 
+def dynamic_vram(model) -> str:
+    """Why a region-only hit keeps no kept keys and values on the GPU ("" when it may): ComfyUI's dynamic VRAM
+    (comfy-aimdo, ModelPatcherDynamic; the default since 0.16) pages weights in on demand and does not count what a
+    node holds on the GPU, so held tensors would take memory its plan gives the weights (docs/dynamic-vram.md)."""
+    is_dynamic = getattr(model, "is_dynamic", None)
+    memory = sys.modules.get("comfy.memory_management")
+    dynamic = bool(is_dynamic()) if callable(is_dynamic) else bool(getattr(memory, "aimdo_enabled", False))
+    if not dynamic and not any(kind.__name__ == "ModelPatcherDynamic" for kind in type(model).__mro__):
+        return ""
+    return ("dynamic VRAM is on (comfy-aimdo): ComfyUI pages the weights in on demand and plans without what a node "
+            "holds on the GPU, so the other tokens' keys and values stay in host memory, streamed block by block")
+
+
 def check_at_load(model_classes) -> str:
     """The check as the nodes load: the one line (logged as a warning) when reuse is off, else ""; model classes the
     host lacks are logged too, as unsupported."""
@@ -135,4 +149,5 @@ def check_at_load(model_classes) -> str:
     return why
 
 
-__all__ = ["NEEDS", "missing", "missing_models", "refusal", "nested_latent_refusal", "check_at_load"]
+__all__ = ["NEEDS", "missing", "missing_models", "refusal", "nested_latent_refusal", "dynamic_vram",
+           "check_at_load"]
