@@ -156,7 +156,7 @@ def _noted(runner, summary: dict) -> dict:
     """The summary with how the host shaped the run: under dynamic VRAM, a region-only hit's kept keys and values were
     all in host memory (kept_kv), with the reason."""
     paged = getattr(getattr(runner, "memory", None), "paged", "")
-    if paged and "region_streamed_bytes" in (summary.get("numbers") or {}):
+    if paged and (summary.get("numbers") or {}).get("region_streamed_bytes"):
         return {**summary, "notes": [paged]}
     return summary
 

@@ -171,3 +171,45 @@ def test_under_a_sparse_attention_node_that_reinstalls_itself_every_step(comfy, 
     assert not miss["reuse"] and len(seen) == plain_seen > 0
     assert len(log) == STEPS * 4                                              # self + cross, once each
     assert torch.allclose(plain["samples"], layered["samples"], atol=1e-5)
+
+
+def test_under_dynamic_vram_a_region_only_hit_keeps_its_keys_and_values_off_the_gpu_and_says_so(comfy, plugin,
+                                                                                              host_dirs, tmp_path,
+                                                                                              monkeypatch):
+    """0.3.64 has no dynamic VRAM: a stand-in of newer ComfyUI's comfy.memory_management with comfy-aimdo on, and a
+    GPU's memory reading with room for every kept block (streaming runs on the CPU too)."""
+    import importlib
+    import sys
+    import types
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.kept_kv import GIB, MemoryReading, TorchMemory
+    from carnator_engine.pipeline import CarnatorConfig, generate
+    from carnator_engine.store import CarnatorStore
+    from test_region_host import AMPLITUDE, LOOSE, _backbone
+    model, (positive, negative), shape, _ = _backbone(comfy, "wan2.1", host_dirs["models"])
+    assert ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS).memory.paged == ""
+    monkeypatch.setitem(sys.modules, "comfy.memory_management", types.SimpleNamespace(aimdo_enabled=True))
+    monkeypatch.setattr(TorchMemory, "read", lambda self, device: MemoryReading(0, GIB, 64 * GIB))
+    runner = ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
+    assert runner.memory.paged.startswith("dynamic VRAM is on (comfy-aimdo)")
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(SEED))
+    nudge = noise.clone()
+    rows, cols = shape[-2] // 4, shape[-1] // 4
+    nudge[..., :rows, :cols] += AMPLITUDE * torch.randn(*shape[:-2], rows, cols,
+                                                        generator=torch.Generator().manual_seed(7))
+    config = CarnatorConfig(probe_steps=2, block_size=16, region_only=True, region_max_share=0.9,
+                            gate_overrides=dict(LOOSE))
+    store = CarnatorStore(str(tmp_path / "cache"), 1 << 30)
+    try:
+        generate(runner, noise, runner.sigmas, store, config, "a corner", SEED)
+        hit = generate(runner, nudge, runner.sigmas, store, config, "a corner", SEED).summary()
+    finally:
+        store.close()
+    numbers = hit["numbers"]
+    assert hit["reuse"] and numbers["region_only"], hit["reasons"]
+    assert numbers["region_resident_bytes"] == 0 and numbers["region_streamed_bytes"] > 0
+    # the node's text and summary carry the reason
+    nodes_module = importlib.import_module(plugin[0].__name__ + ".nodes.carnator_nodes")
+    noted = nodes_module._noted(runner, hit)
+    assert noted["notes"] == [runner.memory.paged]
+    assert nodes_module._noted(types.SimpleNamespace(memory=TorchMemory()), hit) == hit
