@@ -183,28 +183,14 @@ def test_under_dynamic_vram_a_region_only_hit_keeps_its_keys_and_values_off_the_
     import types
     from carnator_engine.hosts.comfyui import ComfyRunner
     from carnator_engine.kept_kv import GIB, MemoryReading, TorchMemory
-    from carnator_engine.pipeline import CarnatorConfig, generate
-    from carnator_engine.store import CarnatorStore
-    from test_region_host import AMPLITUDE, LOOSE, _backbone
+    from test_region_host import SEED as REGION_SEED, STEPS as REGION_STEPS, _backbone, corner_requests
     model, (positive, negative), shape, _ = _backbone(comfy, "wan2.1", host_dirs["models"])
-    assert ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS).memory.paged == ""
+    assert ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=REGION_STEPS).memory.paged == ""
     monkeypatch.setitem(sys.modules, "comfy.memory_management", types.SimpleNamespace(aimdo_enabled=True))
     monkeypatch.setattr(TorchMemory, "read", lambda self, device: MemoryReading(0, GIB, 64 * GIB))
-    runner = ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
+    runner = ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=REGION_STEPS, seed=REGION_SEED)
     assert runner.memory.paged.startswith("dynamic VRAM is on (comfy-aimdo)")
-    noise = torch.randn(shape, generator=torch.Generator().manual_seed(SEED))
-    nudge = noise.clone()
-    rows, cols = shape[-2] // 4, shape[-1] // 4
-    nudge[..., :rows, :cols] += AMPLITUDE * torch.randn(*shape[:-2], rows, cols,
-                                                        generator=torch.Generator().manual_seed(7))
-    config = CarnatorConfig(probe_steps=2, block_size=16, region_only=True, region_max_share=0.9,
-                            gate_overrides=dict(LOOSE))
-    store = CarnatorStore(str(tmp_path / "cache"), 1 << 30)
-    try:
-        generate(runner, noise, runner.sigmas, store, config, "a corner", SEED)
-        hit = generate(runner, nudge, runner.sigmas, store, config, "a corner", SEED).summary()
-    finally:
-        store.close()
+    hit = corner_requests(runner, shape, tmp_path / "cache")[1].summary()
     numbers = hit["numbers"]
     assert hit["reuse"] and numbers["region_only"], hit["reasons"]
     assert numbers["region_resident_bytes"] == 0 and numbers["region_streamed_bytes"] > 0
