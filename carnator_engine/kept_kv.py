@@ -80,7 +80,7 @@ class TorchMemory:
 def placement(order: list, sizes: dict, reading: MemoryReading, share: float, margin: float,
               working: Optional[int] = None, resident_allowed: bool = True) -> tuple:
     """(keys resident on the device, None) or (None, why not even streaming fits); none resident unless
-    `resident_allowed`.
+    `resident_allowed` (every block streamed).
 
     The region steps may take the device up to what this process already needed (its high-water mark, a full step's
     peak) plus `margin` of it, and never beyond what the host reports free. Out of that come the region step's own
@@ -293,7 +293,7 @@ class KeptKeysValues:
                 element = torch.empty((), dtype=self._dtype).element_size()
                 working = 2 * max(sum(part.numel() for part in held[::2]) for held in self._held.values()) * element
             resident, why = placement(self._order, sizes, reading, share, self.margin, working,
-                                      resident_allowed=not getattr(self.memory, "paged", ""))
+                                      not getattr(self.memory, "paged", ""))
         if why:
             return why
         self._resident = resident

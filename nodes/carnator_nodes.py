@@ -242,8 +242,7 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
     from carnator_engine.hosts.comfyui import ComfyRunner
     nested = contract.nested_latent_refusal(latent_image)
     if nested:
-        raise fail(node, "latent_image", f"{nested[len('Carnator: latent_image '):]}; sample it with the Carnator "
-                                         "Sampler or a KSampler")
+        raise fail(node, "latent_image", f"{nested}; sample it with the Carnator Sampler or a KSampler")
     backbone = check_model(node, model)
     latent: PreparedLatent = check_latent(node, model, latent_image, backbone)
     cfg = check_number(node, "cfg", cfg)
@@ -596,7 +595,9 @@ class CarnatorSampler(io.ComfyNode):
                 **experts) -> io.NodeOutput:
         node = "Carnator Sampler"
         store = _check_store(node, cache)
-        off = contract.refusal() or contract.nested_latent_refusal(latent_image)
+        nested = contract.nested_latent_refusal(latent_image)
+        off = contract.refusal() or (nested and f"Carnator: latent_image {nested}, so reuse is off for it and the "
+                                                "Carnator Sampler samples as a KSampler does")
         if off:
             return _sampled_plain(_hidden(cls, "unique_id"), off, model, positive, negative, latent_image, seed, steps,
                                   cfg, sampler_name, scheduler, check_risk(node, risk))

@@ -63,3 +63,13 @@ def test_the_reason_is_a_note_on_the_node():
     lines = summary_text(summary).splitlines()
     assert lines[0].startswith("Carnator HIT") and lines[1:] == ["note: dynamic VRAM is on (comfy-aimdo): ...",
                                                                  "warning: w"]
+
+
+def test_streaming_every_block_still_needs_room_for_the_two_buffers():
+    """A single block that fits resident may not fit twice (the two stream buffers): then not even streaming fits."""
+    from carnator_engine.kept_kv import RESERVE, placement
+    reading = MemoryReading(in_use=0, high_water=10 * GIB, free=RESERVE + 250 * (1 << 20))
+    sizes = {0: 100 << 20}
+    assert placement([0], sizes, reading, 0.0, 0.05) == ({0}, None)
+    none, why = placement([0], sizes, reading, 0.0, 0.05, None, False)
+    assert none is None and why.note == "not enough GPU memory for region-only resume"

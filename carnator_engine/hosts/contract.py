@@ -113,14 +113,14 @@ def refusal() -> str:
 
 
 def nested_latent_refusal(latent_image) -> str:
-    """One line when a LATENT holds a nested latent ("" otherwise): audio-video models (LTX-2 / LTXAV, MiniMax H3)
-    sample a video latent and an audio latent together, which Carnator's signature, store and resume do not cover."""
+    """What is wrong with a LATENT holding a nested latent, for the node to say with its fix ("" for any other):
+    audio-video models (LTX-2 / LTXAV, MiniMax H3) sample a video latent and an audio latent together, which
+    Carnator's signature, store and resume do not cover."""
     samples = latent_image.get("samples") if isinstance(latent_image, dict) else None
     if type(samples).__name__ != "NestedTensor" and not getattr(samples, "is_nested", False):
         return ""
-    return ("Carnator: latent_image is a nested latent (video with audio, as LTX-2 / LTXAV and MiniMax H3 sample it): "
-            "Carnator reuses video-only latents, so reuse is off for it and the Carnator Sampler samples as a KSampler "
-            "does")
+    return ("is a nested latent (video with audio, as LTX-2 / LTXAV and MiniMax H3 sample it): Carnator reuses "
+            "video-only latents")
 
 
 def dynamic_vram(model) -> str:
