@@ -47,10 +47,13 @@ class MemoryReading:
 
 class TorchMemory:
     """The device's memory as torch (or, through `free_memory`, the host, e.g. ComfyUI's
-    model_management.get_free_memory) reports it; None off CUDA (the host memory is the device's)."""
+    model_management.get_free_memory) reports it; None off CUDA (the host memory is the device's). `paged`: why no
+    kept block may stay on the device ("" when they may): the host pages weights in on demand (ComfyUI's dynamic
+    VRAM) and plans without the tensors a node holds there, so every kept block is streamed from host memory."""
 
-    def __init__(self, free_memory: Optional[Callable] = None):
+    def __init__(self, free_memory: Optional[Callable] = None, paged: str = ""):
         self._free_memory = free_memory
+        self.paged = paged
 
     def read(self, device: torch.device) -> Optional[MemoryReading]:
         if device.type != "cuda":
@@ -75,8 +78,9 @@ class TorchMemory:
 
 
 def placement(order: list, sizes: dict, reading: MemoryReading, share: float, margin: float,
-              working: Optional[int] = None) -> tuple:
-    """(keys resident on the device, None) or (None, why not even streaming fits).
+              working: Optional[int] = None, resident_allowed: bool = True) -> tuple:
+    """(keys resident on the device, None) or (None, why not even streaming fits); none resident unless
+    `resident_allowed` (every block streamed).
 
     The region steps may take the device up to what this process already needed (its high-water mark, a full step's
     peak) plus `margin` of it, and never beyond what the host reports free. Out of that come the region step's own
@@ -90,7 +94,7 @@ def placement(order: list, sizes: dict, reading: MemoryReading, share: float, ma
     activations = share * max(0, reading.high_water - reading.in_use)
     working = largest if working is None else working
     room = ceiling - reading.in_use - activations - working
-    if total <= room:
+    if total <= room and resident_allowed:
         return set(order), None
     stream = 2 * largest
     if stream > room:
@@ -100,7 +104,7 @@ def placement(order: list, sizes: dict, reading: MemoryReading, share: float, ma
             f"{(stream + working) / GIB:.2f} GiB beside the model, {max(0.0, room + working) / GIB:.2f} GiB is left "
             "within the memory this request already used; whole-clip resume")
     resident, used = set(), stream
-    for key in order:
+    for key in order if resident_allowed else ():
         if used + sizes[key] <= room:
             resident.add(key)
             used += sizes[key]
@@ -288,7 +292,8 @@ class KeptKeysValues:
             if self.eight_bit:  # and its dequantized keys and values beside that copy
                 element = torch.empty((), dtype=self._dtype).element_size()
                 working = 2 * max(sum(part.numel() for part in held[::2]) for held in self._held.values()) * element
-            resident, why = placement(self._order, sizes, reading, share, self.margin, working)
+            resident, why = placement(self._order, sizes, reading, share, self.margin, working,
+                                      not getattr(self.memory, "paged", ""))
         if why:
             return why
         self._resident = resident

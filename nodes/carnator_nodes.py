@@ -23,6 +23,7 @@ from comfy_api.latest import ComfyExtension, io, ui
 
 from carnator_engine import pipeline
 from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING_RANGES, SWITCHES, Decision
+from carnator_engine.hosts import contract
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
@@ -151,6 +152,15 @@ def _hidden(cls, name: str):
     return getattr(cls.hidden, name, None) if cls.hidden is not None else None
 
 
+def _noted(runner, summary: dict) -> dict:
+    """The summary with how the host shaped the run: under dynamic VRAM, a region-only hit's kept keys and values were
+    all in host memory (kept_kv), with the reason."""
+    paged = getattr(getattr(runner, "memory", None), "paged", "")
+    if paged and (summary.get("numbers") or {}).get("region_streamed_bytes"):
+        return {**summary, "notes": [paged]}
+    return summary
+
+
 def _given_out(unique_id, summary: dict, result=None, store: Optional[CarnatorStore] = None) -> tuple:
     """(summary_json, node text) of a decision, sent to the node's web widget too: all three from one summary,
     with the deciding reasons of a miss (inputs.explained). With the generation `result`: its write's outcome is
@@ -230,6 +240,9 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
     The runner reports its steps to ComfyUI's progress bar (and latent previews when enabled)."""
     import comfy.sample
     from carnator_engine.hosts.comfyui import ComfyRunner
+    nested = contract.nested_latent_refusal(latent_image)
+    if nested:
+        raise fail(node, "latent_image", f"{nested}; sample it with the Carnator Sampler or a KSampler")
     backbone = check_model(node, model)
     latent: PreparedLatent = check_latent(node, model, latent_image, backbone)
     cfg = check_number(node, "cfg", cfg)
@@ -249,6 +262,19 @@ def _prepare(node: str, model, positive, negative, latent_image, seed, steps, cf
     noise = comfy.sample.prepare_noise(latent.samples, int(seed), latent.extra.get("batch_index"))
     runner = runner.with_step_callback(progress_callback(model, int(steps)))
     return runner, noise, latent
+
+
+def _sampled_plain(unique_id, why: str, model, positive, negative, latent_image, seed, steps, cfg, sampler_name,
+                   scheduler, risk) -> io.NodeOutput:
+    """The Carnator Sampler where reuse is off (`why`: the host lacks what Carnator needs, or a latent it cannot
+    reuse): ComfyUI's own KSampler sampling, previews and progress bar included, with the one line on the node."""
+    import nodes as host_nodes   # ComfyUI's nodes.py (this plugin's own nodes package is only imported relatively)
+    latent, = host_nodes.common_ksampler(model, int(seed), int(steps), cfg, sampler_name, scheduler, positive,
+                                         negative, latent_image)
+    summary = {**Decision(False, risk, int(steps), 0, 0, reasons=[why]).summary(), "plain": True,
+               "steps_run": int(steps), "warnings": []}
+    summary_json, text = _given_out(unique_id, summary)
+    return io.NodeOutput(latent, summary_json, ui=text)
 
 
 def _default_block_size(model) -> int:
@@ -541,7 +567,7 @@ class CarnatorTrajectoryResume(io.ComfyNode):
         runner = bundle.runner.with_step_callback(progress_callback(bundle.runner.model, bundle.probed.steps))
         result = pipeline.resume(runner, bundle.probed, decision.decision, store, config, bundle.prompt, bundle.seed,
                                  bundle.model_name)
-        summary_json, text = _given_out(_hidden(cls, "unique_id"), result.summary(), result, store)
+        summary_json, text = _given_out(_hidden(cls, "unique_id"), _noted(runner, result.summary()), result, store)
         return io.NodeOutput(_latent_out(runner, bundle.latent_extra, result.latent), summary_json, ui=text)
 
 
@@ -569,6 +595,12 @@ class CarnatorSampler(io.ComfyNode):
                 **experts) -> io.NodeOutput:
         node = "Carnator Sampler"
         store = _check_store(node, cache)
+        nested = contract.nested_latent_refusal(latent_image)
+        off = contract.refusal() or (nested and f"Carnator: latent_image {nested}, so reuse is off for it and the "
+                                                "Carnator Sampler samples as a KSampler does")
+        if off:
+            return _sampled_plain(_hidden(cls, "unique_id"), off, model, positive, negative, latent_image, seed, steps,
+                                  cfg, sampler_name, scheduler, check_risk(node, risk))
         config = make_config(node, steps, probe_steps, risk, _default_block_size(model), sparse_attention,
                              max_density=check_attention_density(node, attention_density),
                              region_only=check_switch(node, "region_only", region_only))
@@ -577,7 +609,7 @@ class CarnatorSampler(io.ComfyNode):
         graph, unique_id = _hidden(cls, "prompt"), _hidden(cls, "unique_id")
         result = pipeline.generate(runner, noise, runner.sigmas, store, config, prompt=prompt_text(graph, unique_id),
                                    seed=int(seed), model_name=model_label(graph, unique_id))
-        summary_json, text = _given_out(unique_id, result.summary(), result, store)
+        summary_json, text = _given_out(unique_id, _noted(runner, result.summary()), result, store)
         return io.NodeOutput(_latent_out(runner, latent.extra, result.latent), summary_json, ui=text)
 
 
@@ -587,4 +619,8 @@ NODES = [CarnatorCache, CarnatorEarlyProbe, CarnatorSignatureCacheLookup, Carnat
 
 class CarnatorExtension(ComfyExtension):
     async def get_node_list(self) -> list:
+        """The nodes, always: a host without what Carnator needs gets them too, with one warning line saying what is
+        missing and that reuse is off (the Carnator Sampler then samples as a KSampler does)."""
+        from carnator_engine.hosts.comfyui import MODEL_CLASSES
+        contract.check_at_load(MODEL_CLASSES)
         return list(NODES)

@@ -244,9 +244,11 @@ def explained(summary: dict) -> dict:
 
 
 def summary_text(summary: dict) -> str:
-    """The node's one-line verdict, then any warning (a store fault that made the request a full generation)."""
+    """The node's one-line verdict, then any note (dynamic VRAM kept a region's keys and values off the GPU) and any
+    warning (a store fault that made the request a full generation)."""
     warnings = "".join(f"\nwarning: {w}" for w in summary.get("warnings") or [])
-    return _verdict(summary) + warnings
+    notes = "".join(f"\nnote: {n}" for n in summary.get("notes") or [])    # how the host shaped this run
+    return _verdict(summary) + notes + warnings
 
 
 def _verdict(summary: dict) -> str:
@@ -255,6 +257,8 @@ def _verdict(summary: dict) -> str:
     written = "being stored" if summary.get("store_pending") else "stored"   # the write may still be under way
     stored = f"; {written} as {summary['stored_as']}" if summary.get("stored_as") else ""
     cost = cost_text(summary)
+    if summary.get("plain"):    # reuse off for this host or latent (hosts/contract.py): sampled as a KSampler does
+        return f"Carnator OFF: {summary.get('why')}; {cost}, nothing stored"
     if summary.get("exact_repeat"):
         return (f"Carnator REPEAT: every input matches entry {summary.get('entry_id')}, an earlier generation; "
                 f"its stored result, {cost}")

@@ -14,7 +14,7 @@ import os
 import threading
 import uuid
 
-from carnator_engine.store.backends import is_redis_url, refuse_other_urls
+from carnator_engine.store.backends import is_redis_url, refuse_other_urls, refuse_remote_redis
 from carnator_engine.store.backends.farm import LOCATION_JOIN
 from carnator_engine.store.backends.redis_store import shown_url
 from carnator_engine.store.marker import check_location, inspect, refuse_farm_folder
@@ -76,7 +76,9 @@ def check_cache_dir(location: str) -> None:
     """StoreError when opening `location` would be refused, found without creating, changing or deleting anything
     (a Redis server is not asked): the Carnator Cache node's check before any node of a prompt runs."""
     key = _key(location)
-    if not is_redis_url(key):
+    if is_redis_url(key):
+        refuse_remote_redis(key)
+    else:
         directory = check_location(key)
         refuse_farm_folder(directory)
         inspect(directory)

@@ -12,9 +12,12 @@ model forward is copied):
 - patches_replace["dit"][("double_block", i)]: runs the block (or the replacement another node installed
   there) with block_index set on a copy of transformer_options, then observer.block_output(i, hidden); the
   first block counts the forward (observer.forward).
-- transformer_options["optimized_attention_override"]: chained to any override already installed
-  (SageAttention nodes and the like); self-attention over the video tokens goes through
-  observer.self_attention with the rest of the chain as its `dense` function.
+- transformer_options["optimized_attention_override"]: put on top at each block call, on the block's own copy of
+  transformer_options, over whatever override is installed then (SageAttention nodes, core's sparse attention,
+  which re-installs itself on top at every step); self-attention over the video tokens goes through
+  observer.self_attention with that override as its `dense` function.
+Every wrapper takes the host's arguments as they come (*args, **kwargs) and passes them on untouched, reading the
+few it needs by position or by name: newer hosts add arguments (contract.py checks what is relied on).
 
 Latent spaces: the engine works in model space (ComfyUI's process_latent_in). Flow models start sampling
 from sigma * noise + (1 - sigma) * latent, so a run entering at sigma = 1 passes x as the noise, and any
@@ -40,6 +43,7 @@ import torch
 
 from ..backbones import HUNYUAN_VIDEO, LTX_VIDEO, WAN21, WAN22_5B, BackboneLayout
 from ..kept_kv import TorchMemory
+from . import contract
 from .compiled import CompileWatch, compile_settings, eager_frame, region_only_unfit, whole_model_refusal
 from .conditioning import conditioning_fingerprint, start_image_fingerprint
 from .model_key import host_version, model_key
@@ -96,6 +100,7 @@ _SUPPORTED = {
 # HunyuanVideo image-to-video (HunyuanImageToVideo's "v1 (concat)" image latent, or "v2 (replace)": the image kept in
 # the first latent frame by a noise mask) and SkyReels I2V: the same transformer with more input channels
 _SUPPORTED["HunyuanVideoI2V"] = _SUPPORTED["HunyuanVideoSkyreelsI2V"] = _SUPPORTED["HunyuanVideo"]
+MODEL_CLASSES = tuple(_SUPPORTED)   # the host's model classes Carnator adapts (contract.check_at_load)
 SUPPORTED_TEXT = ("Wan 2.1 / Wan 2.2 T2V and I2V (ComfyUI classes WAN21, WAN22), LTX-Video (LTXV) and HunyuanVideo "
                   "T2V and I2V (HunyuanVideo, HunyuanVideoI2V, HunyuanVideoSkyreelsI2V)")
 
@@ -267,25 +272,36 @@ def _running(run: _Run):
         _ACTIVE.run = previous
 
 
+def _argument(args: tuple, kwargs: dict, index: int, name: str, default=None):
+    """A wrapped function's argument, given by position or by name (a host may pass either)."""
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
 def _predict_noise_wrapper(executor, *args, **kwargs):
-    """PREDICT_NOISE, outermost (outside any compiled model): every evaluation the sampler asks for."""
+    """PREDICT_NOISE, outermost (outside any compiled model): every evaluation the sampler asks for. The guider's
+    predict_noise(x, timestep, model_options, seed, ...): whatever else the host passes goes on untouched."""
     run = _ACTIVE.run
-    run.before_evaluation(args[0], args[1])
-    run.step_cache(args[2], executor.class_obj, evaluated=False)
+    model_options = _argument(args, kwargs, 2, "model_options", {})
+    run.before_evaluation(_argument(args, kwargs, 0, "x"), _argument(args, kwargs, 1, "timestep"))
+    run.step_cache(model_options, executor.class_obj, evaluated=False)
     out = executor(*args, **kwargs)
-    run.step_cache(args[2], executor.class_obj, evaluated=True)
+    run.step_cache(model_options, executor.class_obj, evaluated=True)
     run.after_evaluation(out)
     return out
 
 
-def _whole_schedule(executor, guider, sigmas, extra_args, *args, **kwargs):
-    """SAMPLER_SAMPLE: transformer_options["sample_sigmas"] is the request's whole schedule, as in one KSampler run,
-    not this run's part of it. Nodes that place a step within the schedule (hook keyframes, context windows) then see
-    each step where KSampler shows it, and a compiled model sees a schedule of one length in every run: dynamo guards
-    on the shape of that tensor, and parts of different lengths would recompile it."""
-    options = extra_args["model_options"].setdefault("transformer_options", {})
+def _whole_schedule(executor, *args, **kwargs):
+    """SAMPLER_SAMPLE, around sampler.sample(guider, sigmas, extra_args, ...): transformer_options["sample_sigmas"]
+    is the request's whole schedule, as in one KSampler run, not this run's part of it. Nodes that place a step within
+    the schedule (hook keyframes, context windows) then see each step where KSampler shows it, and a compiled model
+    sees a schedule of one length in every run: dynamo guards on the shape of that tensor, and parts of different
+    lengths would recompile it."""
+    sigmas = _argument(args, kwargs, 1, "sigmas")
+    options = _argument(args, kwargs, 2, "extra_args")["model_options"].setdefault("transformer_options", {})
     options["sample_sigmas"] = _ACTIVE.run.schedule.to(sigmas.device, sigmas.dtype)
-    return executor(guider, sigmas, extra_args, *args, **kwargs)
+    return executor(*args, **kwargs)
 
 
 _UNCUT = ("img", "txt", "transformer_options")   # block arguments a region-only step never cuts to its tokens
@@ -317,6 +333,7 @@ def _enter_block(patch: _BlockPatch, args: dict) -> tuple:
         run.observer.forward()    # it), after any step cache has decided to skip or not
     options = dict(args.get("transformer_options") or {})
     options["block_index"] = index
+    _attention_on_top(options, patch.joint_text)
     args = dict(args, transformer_options=options)
     region = getattr(run.observer, "region", None)
     img = args["img"]
@@ -383,16 +400,44 @@ def _kept_keys(mask: torch.Tensor, length: int, video_tokens: int) -> Optional[t
     return keep
 
 
-@functools.lru_cache(maxsize=1024)
-def _attention_override(previous, joint_text: bool):
-    """transformer_options["optimized_attention_override"], chained to `previous` (another node's override, or None):
-    self-attention over the video tokens goes through the observer, the rest of the chain as its dense function.
-    Not traced (it and the chain run eagerly around the attention kernel): the observer reads and keeps tensors."""
-    def next_in_chain(func, *args, **kwargs):
-        if previous is not None:
-            return previous(func, *args, **kwargs)
-        return func(*args, **kwargs)
+ATTENTION_OVERRIDE = "optimized_attention_override"   # the host's key (comfy.ldm.modules.attention.wrap_attn)
+ATTENTION_BELOW = "carnator_attention_below"          # the override Carnator's chains to, on the block's options
 
+
+def _attention_on_top(options: dict, joint_text: bool) -> None:
+    """Puts Carnator's attention override on top of the one installed now, in a block's own copy of its
+    transformer_options: looked up at every block call, not once when the model was patched, since other nodes change
+    it while sampling runs (core's sparse attention re-installs itself on top at every step, chaining to what it
+    finds). Carnator's then sees every self-attention call, and chains to that override exactly once."""
+    current = options.get(ATTENTION_OVERRIDE)
+    if current not in _ATTENTION.values():
+        options[ATTENTION_BELOW] = current
+        options[ATTENTION_OVERRIDE] = _ATTENTION[joint_text]
+
+
+def _next_in_chain(func, *args, **kwargs):
+    """The attention below Carnator's: the override it was put on top of (transformer_options[ATTENTION_BELOW]), or
+    the host's own function."""
+    below = (kwargs.get("transformer_options") or {}).get(ATTENTION_BELOW)
+    if below is not None:
+        return below(func, *args, **kwargs)
+    return func(*args, **kwargs)
+
+
+def _standard_attention(q, k, v, kwargs: dict, heads: int, split: bool) -> bool:
+    """Whether the call is plain multi-head attention the observer computes the same way: no grouped keys (newer hosts'
+    enable_gqa gives k and v fewer heads) and the usual 1/sqrt(head_dim) scale."""
+    if q.shape != k.shape or q.shape != v.shape:
+        return False
+    scale = kwargs.get("scale")
+    head_dim = q.shape[-1] if split else q.shape[-1] // heads
+    return scale is None or math.isclose(float(scale), head_dim ** -0.5, rel_tol=1e-6)
+
+
+def _attention_override(joint_text: bool):
+    """Carnator's attention override (_attention_on_top installs it): self-attention over the video tokens goes through
+    the observer, with the override below it as its dense function; any other call goes straight down the chain. Not
+    traced (it and the chain run eagerly around the attention kernel): the observer reads and keeps tensors."""
     @torch.compiler.disable
     def override(func, *args, **kwargs):
         run = _ACTIVE.run
@@ -401,7 +446,7 @@ def _attention_override(previous, joint_text: bool):
         heads = args[3] if len(args) > 3 else kwargs.get("heads")
         mask = args[4] if len(args) > 4 else kwargs.get("mask")
         if block is None or heads is None or len(args) < 3 or (mask is not None and not joint_text):
-            return next_in_chain(func, *args, **kwargs)
+            return _next_in_chain(func, *args, **kwargs)
         q, k, v = args[:3]
         split = bool(kwargs.get("skip_reshape", False))     # q, k, v already [B, heads, L, D]
         merged_out = not kwargs.get("skip_output_reshape", False)
@@ -410,13 +455,13 @@ def _attention_override(previous, joint_text: bool):
         region = getattr(run.observer, "region", None)
         tokens = run.tokens if region is None else region.video_tokens()
         video_ok = length_q == tokens or (joint_text and length_q > tokens)
-        if length_q != length_k or not video_ok or q.dim() != (4 if split else 3):
-            return next_in_chain(func, *args, **kwargs)  # cross-attention, or tokens beyond the video grid
+        if not video_ok or q.dim() != (4 if split else 3) or not _standard_attention(q, k, v, kwargs, int(heads), split):
+            return _next_in_chain(func, *args, **kwargs)  # cross-attention, tokens beyond the video grid, other kinds
         rest = list(args[3:])
         if mask is not None:
             keep = _kept_keys(mask, length_k, tokens)
             if keep is None:
-                return next_in_chain(func, *args, **kwargs)   # not a text padding mask: left to the host
+                return _next_in_chain(func, *args, **kwargs)   # not a text padding mask: left to the host
             keep = keep.to(k.device)
             k, v = k.index_select(token_dim, keep.nonzero().flatten()), v.index_select(token_dim, keep.nonzero().flatten())
             if len(rest) > 1:
@@ -433,14 +478,14 @@ def _attention_override(previous, joint_text: bool):
             return t if split else t.transpose(1, 2).reshape(batch, t.shape[2], heads * head_dim)
 
         def dense(q4, k4, v4):
-            out = next_in_chain(func, from_heads(q4), from_heads(k4), from_heads(v4), *rest, **kwargs)
+            out = _next_in_chain(func, from_heads(q4), from_heads(k4), from_heads(v4), *rest, **kwargs)
             if merged_out:
                 return out.reshape(batch, out.shape[1], heads, head_dim).transpose(1, 2)
             return out
 
         video = tokens if length_q > tokens else None
         # ComfyUI's own SDPA, no other node's override: another exact kernel may stand in (a region step's fa4)
-        host_sdpa = previous is None and getattr(func, "__name__", None) == "attention_pytorch"
+        host_sdpa = options.get(ATTENTION_BELOW) is None and getattr(func, "__name__", None) == "attention_pytorch"
         out = run.observer.self_attention(int(block), to_heads(q), to_heads(k), to_heads(v), dense=dense,
                                           video_tokens=video, host_sdpa=host_sdpa)
         if merged_out:
@@ -448,6 +493,10 @@ def _attention_override(previous, joint_text: bool):
         return out
 
     return override
+
+
+# one object per kind, the same in every run: a compiled model is guarded on the override it meets
+_ATTENTION = {joint_text: _attention_override(joint_text) for joint_text in (False, True)}
 
 
 # ---- the runner -------------------------------------------------------------------------------
@@ -470,6 +519,9 @@ class ComfyRunner:
         """`low_noise_model`: Wan 2.2 A14B's second expert, run from the switch on (see expert_switch_step).
         `latent_image` with `noise_mask`: a LATENT whose masked-out part is kept (Wan 2.2 TI2V 5B's start image,
         from Wan22ImageToVideoLatent); every run samples with both, as KSampler does."""
+        why = contract.refusal()
+        if why:         # a host without the hooks Carnator needs: no run would reuse, or record, anything
+            raise UnsupportedModelError(why)
         import comfy.samplers
         self.backbone = backbone_for(model)
         self.layout = self.backbone.layout
@@ -517,7 +569,8 @@ class ComfyRunner:
         # part of the bucket: a hit only ever resumes a generation of the same start image ("" for text-to-video)
         self.image_fingerprint = start_image_fingerprint(positive, negative, self.kept_latent, self.noise_mask)
         self.carry = StepCacheCarry()                # the step cache's state from one run of the request to the next
-        self.memory = TorchMemory(_host_free_memory)   # what a region-only resume may keep on the GPU (kept_kv)
+        # what a region-only resume may keep on the GPU (kept_kv): nothing under dynamic VRAM
+        self.memory = TorchMemory(_host_free_memory, paged=contract.dynamic_vram(model))
         # what torch compiles in this request's runs, when a model is compiled (shared by with_step_callback's clones)
         settings = [compile_settings(m) for m in (model, low_noise_model) if m is not None]
         self.compile_watch = CompileWatch() if any(s is not None for s in settings) else None
@@ -636,9 +689,6 @@ class ComfyRunner:
             last = index == self.backbone.num_blocks - 1
             patch = _stable(_block_patch, index, replaced.get((kind, number)), last, self.backbone.joint_text)
             model.set_model_patch_replace(patch, "dit", kind, number)
-        options = model.model_options.setdefault("transformer_options", {})
-        options["optimized_attention_override"] = _stable(
-            _attention_override, options.get("optimized_attention_override"), self.backbone.joint_text)
         # first among the patcher's wrappers (which run outside model_options' own): outermost
         model.wrappers[WrappersMP.PREDICT_NOISE] = {HOOK_KEY: [_predict_noise_wrapper],
                                                     **model.wrappers.get(WrappersMP.PREDICT_NOISE, {})}
@@ -737,4 +787,4 @@ class ComfyRunner:
 
 
 __all__ = ["ComfyRunner", "UnsupportedModelError", "HostBackbone", "backbone_for", "conditioning_fingerprint",
-           "host_version", "HOOK_KEY", "SUPPORTED_TEXT"]
+           "host_version", "HOOK_KEY", "SUPPORTED_TEXT", "MODEL_CLASSES"]

@@ -74,6 +74,14 @@ test("decision badge and lines", () => {
     .includes("being stored as 0123456789abcdef"));
   assert.ok(decisionLines({ ...miss, stored_as: "0123456789abcdef", store_pending: false })
     .includes("stored as 0123456789abcdef"));
+  // reuse off for the host or the latent: the one line, and how it was sampled
+  const off = { ...miss, plain: true, steps: 10, why: "Carnator: this ComfyUI (0.38.2) lacks X: reuse is off" };
+  assert.equal(decisionBadge(off).text, "OFF · sampled as KSampler");
+  assert.deepEqual(decisionLines(off), [`OFF: ${off.why}`, "10 steps sampled as a KSampler does, nothing stored"]);
+  assert.equal(savedDecision(off).plain, true);
+  // how the host shaped the run (dynamic VRAM kept a region's keys and values off the GPU), before any warning
+  const paged = { ...hit, notes: ["dynamic VRAM is on"], warnings: ["w"] };
+  assert.ok(decisionLines(paged).join("\n").includes("note: dynamic VRAM is on\nwarning: w"));
   // a store fault that made the request a full generation shows on the node, before the gate's reasons
   const faulted = { ...miss, warnings: ["reading entry 0123456789abcdef failed: this request is generated in full"] };
   assert.deepEqual(decisionLines(faulted).slice(-2),

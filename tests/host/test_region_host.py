@@ -194,16 +194,11 @@ LOOSE = dict(max_hidden=2.0, max_attention=1.0, max_context=10.0, max_context_sh
 AMPLITUDE = 0.1
 
 
-@pytest.mark.parametrize("name", ["wan2.1", "wan2.2-5b", "hunyuan", "ltxv"])
-def test_a_nudge_that_touches_one_region_resumes_region_only(comfy, plugin, host_dirs, tmp_path, name):
-    """The region-only target carries across models: a request whose noise is nudged in one corner of every frame
-    (too little for the gate's absolute cell threshold to mark any cell) resumes region-only on about that corner,
-    neither nothing nor the whole clip."""
-    from carnator_engine.hosts.comfyui import ComfyRunner
+def corner_requests(runner, shape, directory) -> tuple:
+    """(the first request's result, the result of the same request with its noise nudged in one corner of every
+    frame), through the whole pipeline on a fresh store at `directory`, with region-only resume and loose limits."""
     from carnator_engine.pipeline import CarnatorConfig, generate
     from carnator_engine.store import CarnatorStore
-    model, (positive, negative), shape, _ = _backbone(comfy, name, host_dirs["models"])
-    runner = ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(SEED))
     nudge = noise.clone()
     rows, cols = shape[-2] // 4, shape[-1] // 4
@@ -211,13 +206,24 @@ def test_a_nudge_that_touches_one_region_resumes_region_only(comfy, plugin, host
                                                         generator=torch.Generator().manual_seed(7))
     config = CarnatorConfig(probe_steps=2, block_size=16, region_only=True, region_max_share=0.9,
                             gate_overrides=dict(LOOSE))
-    store = CarnatorStore(str(tmp_path / "cache"), 1 << 30)
+    store = CarnatorStore(str(directory), 1 << 30)
     try:
-        assert not generate(runner, noise, runner.sigmas, store, config, "a corner", SEED).decision.reuse
-        decision = generate(runner, nudge, runner.sigmas, store, config, "a corner", SEED).decision
+        return tuple(generate(runner, x, runner.sigmas, store, config, "a corner", SEED) for x in (noise, nudge))
     finally:
         store.close()
-    assert decision.reuse and decision.numbers["target_fraction"] == 0      # the gate's threshold marks nothing
+
+
+@pytest.mark.parametrize("name", ["wan2.1", "wan2.2-5b", "hunyuan", "ltxv"])
+def test_a_nudge_that_touches_one_region_resumes_region_only(comfy, plugin, host_dirs, tmp_path, name):
+    """The region-only target carries across models: a request whose noise is nudged in one corner of every frame
+    (too little for the gate's absolute cell threshold to mark any cell) resumes region-only on about that corner,
+    neither nothing nor the whole clip."""
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    model, (positive, negative), shape, _ = _backbone(comfy, name, host_dirs["models"])
+    runner = ComfyRunner(model, positive, negative, 1.0, "euler", "simple", steps=STEPS, seed=SEED)
+    first, hit = corner_requests(runner, shape, tmp_path / "cache")
+    decision = hit.decision
+    assert not first.decision.reuse and decision.reuse and decision.numbers["target_fraction"] == 0      # the gate's threshold marks nothing
     assert decision.numbers["region_only"], decision.reasons
     assert 0 < decision.numbers["region_share"] <= 0.6
     grid = decision.target_cells.shape

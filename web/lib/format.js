@@ -110,6 +110,7 @@ export function decisionBadge(decision) {
   if (!decision) return { text: "", fg: "#ffffff", bg: "#555555" };
   if (decision.error) return { text: "Carnator: error", fg: "#ffffff", bg: "#b3261e" };
   const steps = Number(decision.steps);
+  if (decision.plain) return { text: "OFF · sampled as KSampler", fg: "#ffffff", bg: "#8a5a00" };
   if (decision.exact_repeat) {
     const calls = Number(decision.model_calls) || 0;
     return { text: `REPEAT · ${calls} model ${calls === 1 ? "call" : "calls"}`, fg: "#ffffff", bg: "#1b5e20" };
@@ -130,7 +131,7 @@ export function decisionBadge(decision) {
 // survives a page reload): what decisionBadge and decisionLines read, nothing else.
 const SAVED_DECISION_KEYS = ["node", "reuse", "exact_repeat", "error", "risk", "steps", "probe_steps", "resume_step",
   "refine_step", "model_calls", "steps_run", "step_cache", "step_cache_skipped", "expected_speedup", "entry_id",
-  "stored_as", "store_pending", "warnings", "reasons", "why", "region"];
+  "stored_as", "store_pending", "warnings", "reasons", "why", "region", "plain", "notes"];
 
 export function savedDecision(decision) {
   const saved = {};
@@ -142,6 +143,8 @@ export function savedDecision(decision) {
 export function decisionLines(decision) {
   if (!decision) return ["No Carnator decision yet: queue the workflow."];
   if (decision.error) return [`Carnator error: ${decision.error}`];
+  // reuse off for this host or latent (hosts/contract.py): the one line says what, nothing else applies
+  if (decision.plain) return [`OFF: ${decision.why}`, `${decision.steps} steps sampled as a KSampler does, nothing stored`];
   const lines = [];
   const risk = decision.risk ? ` · risk ${decision.risk}` : "";
   if (decision.exact_repeat) {
@@ -161,6 +164,7 @@ export function decisionLines(decision) {
   const speedup = decision.exact_repeat ? "" : `expected ${formatSpeedup(decision.expected_speedup)}`;
   lines.push([probe, calls, speedup].filter(Boolean).join(" · "));
   if (decision.stored_as) lines.push(`${decision.store_pending ? "being stored" : "stored"} as ${decision.stored_as}`);
+  for (const note of decision.notes || []) lines.push(`note: ${note}`);
   for (const warning of decision.warnings || []) lines.push(`warning: ${warning}`);
   for (const reason of decision.reasons || []) lines.push(`• ${reason}`);
   return lines;

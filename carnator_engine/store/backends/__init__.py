@@ -31,9 +31,16 @@ farm layout `farm` (Redis for the index and metadata, trajectories in a shared `
 """
 from __future__ import annotations
 
+import ipaddress
+import os
+import urllib.parse
+
 from ..errors import StoreError
 
 REDIS_SCHEMES = ("redis://", "rediss://")
+# Set to 1 to let a Carnator Cache node's redis:// URL name a server on another machine (a farm's): a workflow
+# shared with the user could otherwise send their generations to a host they never set up.
+ALLOW_REMOTE_VARIABLE = "CARNATOR_ALLOW_REMOTE_REDIS"
 
 
 def is_redis_url(location: str) -> bool:
@@ -47,6 +54,28 @@ def refuse_other_urls(location: str) -> None:
     if separator and not is_redis_url(location):
         raise StoreError(f"a {scheme[:20]}:// cache location is not supported: give a folder path, or a Redis "
                          "store as redis://[:password@]host:port/db (rediss:// for TLS)")
+
+
+def _loopback(host: str) -> bool:
+    if host in ("", "localhost") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_remote_redis(location: str) -> None:
+    """StoreError for a redis:// URL naming another machine than this one, unless ALLOW_REMOTE_VARIABLE is 1: by
+    default the cache's generations go only to a server on this machine (loopback)."""
+    from .redis_store import split_url
+    client, _, shown = split_url(location)
+    host = (urllib.parse.urlsplit(client).hostname or "").lower()
+    if _loopback(host) or os.environ.get(ALLOW_REMOTE_VARIABLE, "").strip() == "1":
+        return
+    raise StoreError(f"cache_dir {shown!r} names a Redis server on another machine ({host}): Carnator sends "
+                     "generations only to a server on this one unless you allow it; for a farm you set up, start "
+                     f"ComfyUI with {ALLOW_REMOTE_VARIABLE}=1 (docs/farm.md)")
 
 
 def holds_store(location: str) -> bool:
@@ -76,6 +105,8 @@ def shown_location(location: str, blob_dir: str = "") -> str:
 def open_backend(location: str, blob_dir: str = ""):
     """The backend of `location`; with `blob_dir` (a redis:// location only) the farm layout (farm.py)."""
     refuse_other_urls(location)
+    if is_redis_url(location):
+        refuse_remote_redis(location)
     if blob_dir:
         if not is_redis_url(location):
             raise StoreError(f"blob_dir {blob_dir[:200]!r} is for a redis:// cache (the farm layout: index in Redis, "
