@@ -117,7 +117,7 @@ from carnator_engine.observer import GenerationObserver  # noqa: E402
 from carnator_engine.localize import latent_mask  # noqa: E402
 from carnator_engine.pipeline import CarnatorConfig, generate  # noqa: E402
 from carnator_engine.region import latent_mask_of_tokens, target_tokens  # noqa: E402
-from carnator_engine.resume import REGION_HALO  # noqa: E402
+from carnator_engine.resume import REGION_HALO, region_latent_cells  # noqa: E402
 from carnator_engine.schedule import denoised_from_velocity, flow_sigmas, jump  # noqa: E402
 from carnator_engine.store import CarnatorStore  # noqa: E402
 
@@ -173,10 +173,10 @@ def carnator_config(method: str, args) -> CarnatorConfig:
                           region_kv_8bit=method == "carnator_region_8bit")
 
 
-def seam_band(layout, target_cells, fhw):
-    """[F, H, W] cells of the tokens within one token of the border of a hit's region (its target cells with the
+def seam_band(layout, cells, fhw):
+    """[F, H, W] cells of the tokens within one token of the border of a hit's region (its cells with the
     region-only halo): where a region-only resume's two parts meet. None when the region is empty or everything."""
-    tokens = target_tokens(layout, latent_mask(target_cells, fhw), REGION_HALO)
+    tokens = target_tokens(layout, cells, REGION_HALO)
     grid = layout.token_grid((1, layout.latent_channels, *fhw))
     cells = tokens.reshape(grid).float()[None, None]
     grown = F.max_pool3d(cells, 3, stride=1, padding=1)
@@ -362,15 +362,22 @@ def run_method(method, requests, model, sigmas, args, text_encoder, reference, f
             if method == "no_reuse":
                 reference[key] = clip
             read = world.analyze(clip)
-            band = None
+            band = outside = None
             if reused and not exact_repeat and base.startswith("carnator"):
-                band = seam_band(model.layout, result.decision.target_cells, tuple(clip.shape[-3:]))
+                fhw = tuple(clip.shape[-3:])
+                cells = region_latent_cells(result.decision, fhw, config.region_target_mass)
+                band = seam_band(model.layout, cells, fhw)
+                # the untouched part: every cell outside the region and its ring (a whole-clip hit's the same cells)
+                outside = ~latent_mask_of_tokens(model.layout, target_tokens(model.layout, cells, REGION_HALO), fhw)
+                outside = outside if bool(outside.any()) else None
             rows.append({"prompt": request.prompt, "seed": request.seed, "tags": request.tags,
                          "reused": reused, "exact_repeat": exact_repeat, "resume_step": resume, "gate": numbers, "model_calls": calls, "seconds": seconds,
                          "compute": compute_units(calls, numbers),
                          "read": read, "expected": request.attributes,
                          "psnr": psnr(clip, reference[key]), "ssim": ssim(clip, reference[key]),
-                         "seam_psnr": None if band is None else psnr(clip[:, band], reference[key][:, band])})
+                         "seam_psnr": None if band is None else psnr(clip[:, band], reference[key][:, band]),
+                         "outside_psnr": None if outside is None else psnr(clip[:, outside],
+                                                                          reference[key][:, outside])})
         store.close()
         shutil.rmtree(store_dir, ignore_errors=True)   # a long run's entries would fill the disk
     return rows
@@ -442,6 +449,10 @@ def summarize(rows, steps, reference_rows, world=WORLDS["v1"]):
         "ssim_on_hits": (sum(r["ssim"] for r, _ in reused) / len(reused)) if reused else None,
         # a hit's region border (region-only's seam; for a whole-clip hit the same cells), against no reuse
         "seam_psnr_on_hits": mean_of([r.get("seam_psnr") for r, _ in reused]),
+        # the part of the clip outside the region, against no reuse: what a region-only hit keeps from the cached one
+        "outside_psnr_on_hits": mean_of([r.get("outside_psnr") for r, _ in reused]),
+        "outside_psnr_on_region_hits": mean_of([r.get("outside_psnr") for r, _ in reused
+                                                if r["gate"].get("region_only")]),
         "compute_saved": 1 - sum(r.get("compute", r["model_calls"]) for r, _ in rows_scored) / (steps * n),
         "region_only_hits": sum(bool(r["gate"].get("region_only")) for r, _ in reused),
         "attribute_accuracy": accuracy["all"],

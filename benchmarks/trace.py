@@ -312,7 +312,12 @@ def run_all(args, names: list, work: str) -> dict:
 
 
 HEAD = (f"{'method':22} {'hits':>5} {'repeats':>7} {'calls saved':>11} {'speedup':>7} {'wall':>6} {'all six':>7} "
-        f"{'change (95 % interval)':>24} {'wrong acc':>9} {'PSNR hits':>9} {'SSIM hits':>9} {'look-alike wrong':>16}")
+        f"{'change (95 % interval)':>24} {'wrong acc':>9} {'PSNR hits':>9} {'SSIM hits':>9} {'PSNR rest':>9} "
+        f"{'look-alike wrong':>16}")
+
+
+def _decibels(value) -> str:
+    return f"{value:.1f}" if value is not None else "-"
 
 
 def table_line(name: str, s: dict) -> str:
@@ -323,15 +328,16 @@ def table_line(name: str, s: dict) -> str:
               if name != "no_reuse" else "")
     return (f"{name:22} {s['hit_rate']:>5.0%} {s['exact_repeats']:>7d} {s['model_calls_saved']:>11.1%} "
             f"{s['speedup_calls']:>6.2f}x {s['speedup_seconds']:>5.2f}x {s['attribute_accuracy']:>7.1%} {change:>24} "
-            f"{s['wrong_accepts']:>9d} {hit_psnr:>9} {hit_ssim:>9} "
+            f"{s['wrong_accepts']:>9d} {hit_psnr:>9} {hit_ssim:>9} {_decibels(s.get('outside_psnr_on_hits')):>9} "
             f"{(str(look['wrong_accepts']) + ' / ' + str(look['requests'])) if look else '-':>16}")
 
 
 def markdown(report: dict) -> str:
     """The run's table for benchmarks/RESULTS.md: one row per seed habit and method."""
     lines = ["| seeds | method | hits (exact repeats) | calls saved | speedup (calls / wall) | all six right "
-             "(change vs no reuse, 95 % interval) | wrong accepts | PSNR / SSIM of hits | look-alike wrong accepts |",
-             "| --- " * 9 + "|"]
+             "(change vs no reuse, 95 % interval) | wrong accepts | PSNR / SSIM of hits | PSNR outside the region | "
+             "look-alike wrong accepts |",
+             "| --- " * 10 + "|"]
     for habit, table in report["results"].items():
         for name, s in table.items():
             hits = (f"{s['psnr_on_hits']:.1f} / {s['ssim_on_hits']:.3f}" if s["psnr_on_hits"] is not None else "-")
@@ -340,7 +346,7 @@ def markdown(report: dict) -> str:
             look = s.get("look_alike_pairs")
             lines.append(f"| {habit} | {name} | {s['hit_rate']:.0%} ({s['exact_repeats']}) | {s['model_calls_saved']:.1%} "
                          f"| {s['speedup_calls']:.2f}x / {s['speedup_seconds']:.2f}x | {s['attribute_accuracy']:.1%}{change} "
-                         f"| {s['wrong_accepts']} | {hits} | "
+                         f"| {s['wrong_accepts']} | {hits} | {_decibels(s.get('outside_psnr_on_hits'))} | "
                          f"{str(look['wrong_accepts']) + ' of ' + str(look['requests']) if look else '-'} |")
     return "\n".join(lines)
 

@@ -112,12 +112,7 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
         decision = dataclasses.replace(_with_reason(decision, reason, {"region_only": False}),
                                        region="whole clip: " + unfit.note)
         return decision, None, reason
-    # the gate's target cells and the cells holding most of the difference, joined over the latent (the two may
-    # come on different grids: a benchmark forces a target over the latent itself)
-    cells = latent_mask(decision.target_cells, fhw)
-    if decision.cell_map is not None:
-        cells = cells | latent_mask(region_cells(decision.cell_map, config.region_target_mass), fhw)
-    tokens = target_tokens(runner.layout, cells, REGION_HALO)
+    tokens = target_tokens(runner.layout, region_latent_cells(decision, fhw, config.region_target_mass), REGION_HALO)
     share = float(tokens.float().mean())
     full = _full_steps(runner, decision, config, payload)
     ok, reason, note, expected = gate_module.region_only_verdict(share, config.region_max_share, decision, len(full))
@@ -138,6 +133,16 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
     region = RegionTokens(tokens, full, getattr(runner, "memory", None), config.region_memory_margin, reach,
                           config.region_kv_8bit, config.region_kv_triton, config.region_fa4)
     return decision, region, ""
+
+
+def region_latent_cells(decision: gate_module.Decision, fhw, target_mass: float) -> torch.Tensor:
+    """[F, H, W] bool: the latent cells a region-only resume of this hit computes (before its halo): the gate's target
+    cells and the cells holding `target_mass` of the difference, joined over the latent (the two may come on
+    different grids: a benchmark forces a target over the latent itself)."""
+    cells = latent_mask(decision.target_cells, fhw)
+    if decision.cell_map is not None:
+        cells = cells | latent_mask(region_cells(decision.cell_map, target_mass), fhw)
+    return cells
 
 
 def key_share(reach: dict, tokens: torch.Tensor) -> float:

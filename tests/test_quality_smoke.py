@@ -319,3 +319,19 @@ def test_packing_names_a_missing_report_before_writing_anything(tmp_path, capsys
         reports.main(["pack", str(tmp_path / "pack.json"), str(tmp_path / "missing.json")])
     assert f"no report at {tmp_path / 'missing.json'}" in capsys.readouterr().err
     assert not (tmp_path / "pack.json").exists()
+
+
+def test_every_hit_reports_the_fidelity_of_the_part_outside_its_region(tmp_path):
+    """Beside the attributes, a hit's row says how close the clip outside its region (ring excluded) is to the same
+    request without reuse: what a region-only hit keeps from the cached generation."""
+    quality, reports = _script("quality"), _script("reports")
+    assert quality.main(["--stream", "6", "--restart-every", "6", "--pairs", "1", "--steps", "8", "--probe-steps", "2",
+                         "--methods", "no_reuse,carnator_region", "--region-max-share", "1.0",
+                         "--out", str(tmp_path / "run.json")]) == 0
+    report = reports.read(str(tmp_path / "run.json"))
+    rows = report["rows"]["carnator_region"]["stream"]
+    hits = [row for row in rows if row["reused"] and not row["exact_repeat"]]
+    assert hits and all(row["outside_psnr"] is not None for row in hits)
+    assert all(row["outside_psnr"] is None for row in rows if not row["reused"])
+    summary = report["results"]["iteration_stream"]["carnator_region"]
+    assert summary["outside_psnr_on_hits"] == pytest.approx(sum(r["outside_psnr"] for r in hits) / len(hits))
