@@ -115,10 +115,11 @@ def _attention_density_input() -> io.Input:
 
 
 def _region_only_input() -> io.Input:
-    return io.Boolean.Input("region_only", default=True, optional=True, tooltip=(
+    return io.Boolean.Input("region_only", default=False, optional=True, tooltip=(
         "On a hit, the resumed steps run only the tokens that differ from the cached request (and a ring around "
-        "them), taking the rest of the clip from it, within about the GPU memory plain sampling needs; a target over "
-        "half the clip resumes the whole clip. Off: every hit resumes the whole clip (docs/region-resume.md)."))
+        "them); the rest of the clip is the cached clip, unchanged. Faster, within about the GPU memory plain "
+        "sampling needs; a target over half the clip resumes the whole clip. Off (default): every hit resumes the "
+        "whole clip, closer to a fresh generation at cfg 1 (docs/region-resume.md)."))
 
 
 def _latent_output() -> io.Output:
@@ -551,7 +552,7 @@ class CarnatorTrajectoryResume(io.ComfyNode):
 
     @classmethod
     def execute(cls, cache, probe, decision, sparse_attention, attention_density=1.0,
-                region_only=True) -> io.NodeOutput:
+                region_only=False) -> io.NodeOutput:
         node = "Carnator Trajectory Resume"
         store = _check_store(node, cache)
         bundle = _check_probe(node, probe)
@@ -591,7 +592,7 @@ class CarnatorSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, cache, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-                probe_steps, risk, sparse_attention, attention_density=1.0, region_only=True,
+                probe_steps, risk, sparse_attention, attention_density=1.0, region_only=False,
                 **experts) -> io.NodeOutput:
         node = "Carnator Sampler"
         store = _check_store(node, cache)

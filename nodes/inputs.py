@@ -104,7 +104,7 @@ def check_risk(node: str, risk: str) -> str:
 
 def make_config(node: str, steps: int, probe_steps: int, risk: str = "balanced", block_size: int = 64,
                 sparse_attention: bool = True, gate_overrides: Optional[dict] = None,
-                max_density: float = 1.0, region_only: bool = True) -> CarnatorConfig:
+                max_density: float = 1.0, region_only: bool = False) -> CarnatorConfig:
     probe_steps = check_steps(node, steps, probe_steps)
     check_risk(node, risk)
     if int(block_size) < 1:
