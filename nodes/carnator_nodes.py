@@ -26,9 +26,9 @@ from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
 
-from .inputs import (PreparedLatent, check_attention_density, check_in_range, check_latent, check_model, check_number,
-                     check_risk, check_switch, explained, fail, make_config, model_label, progress_callback,
-                     prompt_text, restaged, send_decision, summary_text, to_json)
+from .inputs import (PreparedLatent, check_attention_density, check_block_size, check_in_range, check_latent,
+                     check_model, check_number, check_risk, check_switch, explained, fail, make_config, model_label,
+                     progress_callback, prompt_text, restaged, send_decision, summary_text, to_json)
 from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
@@ -347,7 +347,8 @@ class CarnatorEarlyProbe(io.ComfyNode):
             description="Runs the first probe_steps of the request with hooks that record its Early Signature.",
             inputs=_request_inputs() + [
                 io.Int.Input("block_size", default=0, min=0, max=1024, step=16,
-                             tooltip="Tokens per attention block; 0 picks FlexAttention's 128 on GPUs and 64 on "
+                             tooltip="Tokens per attention block: 16, 32, 64 or a multiple of 128 (what the "
+                                     "block-sparse attention tiles); 0 picks FlexAttention's 128 on GPUs and 64 on "
                                      "the CPU."),
                 CacheType.Input("cache", optional=True, tooltip="Connect the Carnator Cache to answer an exact "
                                 "repeat with its stored result before any probe step runs."),
@@ -359,7 +360,9 @@ class CarnatorEarlyProbe(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, cfg=None, boundary_sigma=None):
+    def validate_inputs(cls, cfg=None, boundary_sigma=None, block_size=None):
+        if block_size is not None:
+            check_block_size("Carnator Early Probe", block_size)
         return _floats_checked(cls, cfg=cfg, boundary_sigma=boundary_sigma)
 
     @classmethod

@@ -222,4 +222,8 @@ def test_inputs_are_refused_before_any_node_runs(host, tmp_path):
         shown = node_errors(server, staged_prompt(cache_dir), "6")
         assert "input 'cache_dir'" in shown and message in shown, shown
         assert folder_state(tmp_path / "their_app") == before
+    probe = staged_prompt(good)
+    probe["7"]["inputs"]["block_size"] = 7   # the widget steps by 16; a prompt sent to the API can hold any number
+    assert ("input 'block_size': block_size=7 is not a size the block-sparse attention tiles: use 16, 32, 64 or a "
+            "multiple of 128 tokens, or 0 for the default" in node_errors(server, probe, "7"))
     assert not (tmp_path / "new_cache").exists()
