@@ -25,6 +25,7 @@ from carnator_engine import pipeline
 from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING_RANGES, SWITCHES, Decision
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
+from carnator_engine.typed_paths import control_character
 
 from .inputs import (PreparedLatent, check_attention_density, check_block_size, check_in_range, check_latent,
                      check_model, check_number, check_risk, check_switch, explained, fail, make_config, model_label,
@@ -280,11 +281,13 @@ class CarnatorCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, cache_dir=None, size_limit_gb=None):
+    def validate_inputs(cls, cache_dir=None, size_limit_gb=None, blob_dir=None):
         """ComfyUI's check of a prompt before any of its nodes runs: a cache_dir this node would refuse is refused
-        there, before a probe has spent model calls (read-only: nothing is created). A linked cache_dir (None here)
-        is checked when the node runs."""
+        there, before a probe has spent model calls (read-only: nothing is created), and a blob_dir holding a control
+        character. A linked cache_dir or blob_dir (None here) is checked when the node runs."""
         _floats_checked(cls, size_limit_gb=size_limit_gb)
+        if isinstance(blob_dir, str):
+            _check_blob_dir_text(blob_dir)
         if isinstance(cache_dir, str):
             try:
                 check_cache_dir(cache_dir)
@@ -306,14 +309,18 @@ class CarnatorCache(io.ComfyNode):
             raise fail(node, "blob_dir", "must be an absolute folder path (text), or empty")
         if blob_dir.strip() and not is_redis_url(cache_dir):
             raise fail(node, "blob_dir", "is for a farm: set cache_dir to its redis:// URL, or leave blob_dir empty")
-        if "\x00" in blob_dir:
-            raise fail(node, "blob_dir", f"{blob_dir[:200]!r} holds a NUL character (\\x00), which no folder name "
-                                         "can hold: retype the path")
+        _check_blob_dir_text(blob_dir)
         try:
             store = open_store(cache_dir, limit, blob_dir)
         except (StoreError, OSError) as error:
             raise fail(node, _input_at_fault(error, blob_dir), str(error)) from None
         return io.NodeOutput(store)
+
+
+def _check_blob_dir_text(blob_dir: str) -> None:
+    refused = control_character(blob_dir)
+    if refused:
+        raise fail("Carnator Cache", "blob_dir", f"blob_dir {refused}")
 
 
 def _input_at_fault(error: Exception, blob_dir: str) -> str:

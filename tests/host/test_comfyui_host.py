@@ -687,8 +687,11 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     blob_named.write_text("not a folder")
     with pytest.raises(ValueError, match=r"^Carnator Cache: input 'cache_dir': .*my_blobs_file.* is a file"):
         open_cache(comfy, blob_named)
-    with pytest.raises(ValueError, match=r"^Carnator Cache: input 'cache_dir': .* holds a NUL character"):
-        open_cache(comfy, str(tmp_path / "ca\x00che"))
+    for char in ("\x00", "\n", "\t", "\x85"):
+        with pytest.raises(ValueError, match=r"^Carnator Cache: input 'cache_dir': cache_dir holds the control "):
+            open_cache(comfy, str(tmp_path / f"ca{char}che"))
+        with pytest.raises(ValueError, match=r"^Carnator Cache: input 'blob_dir': blob_dir holds the control "):
+            node(comfy, "CarnatorCache")("redis://localhost:6379/0", 1.0, str(tmp_path / f"blobs{char}"))
     foreign = foreign_wal_database(tmp_path / "their_app")   # another program's folder: refused, nothing touched
     untouched = folder_state(foreign)
     with pytest.raises(ValueError, match=r"input 'cache_dir': .*not a Carnator store.*nothing in it was touched"):
