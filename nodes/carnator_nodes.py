@@ -70,8 +70,9 @@ def _request_inputs(probe_steps_default: int = 0) -> list:
         io.Float.Input("cfg", default=6.0, min=0.0, max=100.0, step=0.1, round=0.01,
                        tooltip="Classifier-free guidance scale, as for KSampler; part of the cache key."),
         io.Combo.Input("sampler_name", options=list(comfy.samplers.KSampler.SAMPLERS), default="euler",
-                       tooltip="The sampler, as for KSampler; part of the cache key. Single-step samplers (euler, "
-                               "heun) resume exactly; multistep ones restart their history at the resume step."),
+                       tooltip="The sampler, as for KSampler; part of the cache key. A miss is KSampler's result "
+                               "with every sampler (SDE and CFG++ ones evaluate up to the probe's steps again); a "
+                               "hit's resumed steps start multistep samplers' history afresh."),
         io.Combo.Input("scheduler", options=list(comfy.samplers.KSampler.SCHEDULERS), default="simple",
                        tooltip="The sigma schedule, as for KSampler; part of the cache key."),
         io.Int.Input("probe_steps", default=probe_steps_default, min=0, max=1000,
