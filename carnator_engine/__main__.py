@@ -37,6 +37,7 @@ import threading  # noqa: E402
 # module that needs torch is imported inside the command that uses it
 from .demo import DEMO_GUIDANCE, DEMO_STEPS  # noqa: E402
 from .settings import DEFAULT_SIZE_LIMIT, RISK_LEVELS  # noqa: E402
+from .typed_paths import control_character  # noqa: E402
 
 # The demo's bounds: its model samples best at 20 steps and guidance 2; beyond these a request takes minutes
 # on a CPU (and a huge step count would exhaust memory) or the guidance turns the clip to noise.
@@ -92,6 +93,14 @@ def _finite_float_in(low: float, high: float, why: str = ""):
             raise argparse.ArgumentTypeError(f"must be a number from {low:g} to {high:g}, got {text!r}{why}")
         return value
     return parse
+
+
+def _typed_path(text: str) -> str:
+    """A path or URL argument as typed, refused (before torch loads) when it holds a control character."""
+    refused = control_character(text)
+    if refused:
+        raise argparse.ArgumentTypeError(refused)
+    return text
 
 
 def _open_store(args, path: str):
@@ -646,10 +655,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="replay a short iteration session on the embedded demo model")
-    demo.add_argument("--cache", default=None, help="cache directory or redis:// URL, kept after the run (default: a "
-                                                  "temporary directory, removed at the end)")
-    demo.add_argument("--weights", default=None, help="tiny DiT checkpoint (default: the embedded demo model; at 8 "
-                                                    "steps or fewer its embedded 4-step student)")
+    demo.add_argument("--cache", type=_typed_path, default=None,
+                      help="cache directory or redis:// URL, kept after the run (default: a temporary directory, "
+                           "removed at the end)")
+    demo.add_argument("--weights", type=_typed_path, default=None,
+                      help="tiny DiT checkpoint (default: the embedded demo model; at 8 steps or fewer its embedded "
+                           "4-step student)")
     demo.add_argument("--steps", type=_int_in(*STEPS_RANGE, f" (the demo model samples best at {DEMO_STEPS}, its "
                                                             "4-step student at 4)"),
                       default=DEMO_STEPS, help=f"denoising steps N of each request, {STEPS_RANGE[0]}-{STEPS_RANGE[1]} "
@@ -666,11 +677,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"classifier-free guidance scale, {GUIDANCE_RANGE[0]:g}-{GUIDANCE_RANGE[1]:g} (default "
                            f"{DEMO_GUIDANCE:g}, what the demo model was trained for; 1 at 8 steps or fewer, what its "
                            "distilled student runs at)")
-    demo.add_argument("--out", default="carnator-demo-frames",
+    demo.add_argument("--out", type=_typed_path, default="carnator-demo-frames",
                       help="folder for the frames: a PNG strip per request and hit-vs-fresh.png (default "
                            "./carnator-demo-frames; made if missing, files of the same names are replaced)")
-    demo.add_argument("--json", default=None, help="also write the results to this JSON file (its folder must exist; "
-                                                   "checked before the run)")
+    demo.add_argument("--json", type=_typed_path, default=None,
+                      help="also write the results to this JSON file (its folder must exist; checked before the run)")
     stats = commands.add_parser("stats", help="print a cache's statistics (creates nothing)")
     stats.add_argument("--verify", action="store_true",
                        help="also read every entry's data against its checksums and list the corrupt ones (exit "
@@ -681,18 +692,20 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "emptied Redis the identity its blob folder's marker names, so "
                                                     "its workers may open it again (only then: another server at "
                                                     "the same address is refused)")
-    reattach.add_argument("--blob-dir", required=True, help="the farm's shared folder (absolute path)")
+    reattach.add_argument("--blob-dir", type=_typed_path, required=True,
+                          help="the farm's shared folder (absolute path)")
     for sub in (stats, clear, reattach):
-        sub.add_argument("--cache", required=True, help="the cache's directory, or redis://[:password@]host:port/db "
-                                                        "(the password may come from CARNATOR_REDIS_PASSWORD)")
+        sub.add_argument("--cache", type=_typed_path, required=True,
+                         help="the cache's directory, or redis://[:password@]host:port/db (the password may come "
+                              "from CARNATOR_REDIS_PASSWORD)")
     demo.add_argument("--size-limit-mb", type=_int_in(*SIZE_LIMIT_MB_RANGE), default=DEFAULT_SIZE_LIMIT >> 20,
                       help=f"cache size limit in MiB, {SIZE_LIMIT_MB_RANGE[0]}-{SIZE_LIMIT_MB_RANGE[1]}, recorded with "
                            "the cache (stats shows it); least useful entries are evicted beyond it "
                            f"(default {DEFAULT_SIZE_LIMIT >> 20}, as on the Carnator Cache node)")
     for sub in (demo, stats, clear):
-        sub.add_argument("--blob-dir", default="", help="farm layout, with a redis:// --cache: the shared folder "
-                                                        "(absolute path, mounted by every worker) that keeps the "
-                                                        "trajectories; empty = everything in Redis")
+        sub.add_argument("--blob-dir", type=_typed_path, default="",
+                         help="farm layout, with a redis:// --cache: the shared folder (absolute path, mounted by "
+                              "every worker) that keeps the trajectories; empty = everything in Redis")
     return parser
 
 

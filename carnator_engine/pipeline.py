@@ -31,6 +31,7 @@ from . import gate as gate_module
 from . import resume as resume_stage
 from .store.index import (HELD_BUCKET, Candidate, bucket_difference, bucket_key, bucket_parts,
                           incomparable_bucket, nearest)
+from .attention.sparse import tiled_block_size
 from .observer import CheckpointRecorder, GenerationObserver
 from .preview import thumbnail_png
 from .resume import follow_entry
@@ -104,8 +105,7 @@ class CarnatorConfig:
         if not 1 <= self.probe_steps < steps:
             raise ValueError(f"probe_steps={self.probe_steps} must be between 1 and steps-1 ({steps - 1}): "
                              "the probe runs the first steps of the request")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        tiled_block_size(self.block_size)
         if not 0.0 < self.attention_mass <= 1.0:
             raise ValueError(f"attention_mass={self.attention_mass} must be in (0, 1]")
         if not 0.0 < self.max_density <= 1.0:
@@ -152,6 +152,7 @@ class ProbeResult:
     uncacheable: str = ""       # non-empty: why this request is generated without the cache
     store_fault: str = ""       # non-empty: the store could not be read for this request (its first failed read)
     model_text: str = ""        # the model's options, for the "no earlier generation of this model" reason
+    block_size: int = 0         # tokens per attention block of its signature's attention summary (stored with it)
 
     @property
     def steps(self) -> int:
@@ -293,6 +294,7 @@ def probe(runner, noise: torch.Tensor, sigmas: torch.Tensor, config: CarnatorCon
     return ProbeResult(latent, observer.last_denoised, recorder.signature(), sigmas, config.probe_steps, bucket,
                        key, time.perf_counter() - started, model_calls=_calls(runner, observer),
                        uncacheable=uncacheable, model_text=getattr(runner, "model_text", "") or "", store_fault=fault,
+                       block_size=config.block_size,
                        bucket_parts=bucket_parts(runner.model_fingerprint, noise.shape, sigmas, runner.sampler,
                                                  _start_image(runner)))
 
@@ -384,7 +386,8 @@ def new_bucket_reasons(store: CarnatorStore, probed: ProbeResult) -> list:
     it does (another probe length). Empty when the store cannot be read (the lookup has reported that)."""
     def work():
         if store.holds_bucket(probed.bucket):
-            return [incomparable_bucket(store, probed.bucket, probed.signature, probed.probe_steps)]
+            return [incomparable_bucket(store, probed.bucket, probed.signature, probed.probe_steps,
+                                        probed.block_size)]
         return [bucket_difference(store, probed.bucket_parts)]
     return _read(store, "explaining the miss", work, [], probed)
 
@@ -483,7 +486,7 @@ def resume(runner, probed: ProbeResult, decision: gate_module.Decision, store: C
                      reused_from=decision.entry_id if decision.reuse else None,
                      replay_key=hit_replay_key(probed.request_key, config) if decision.reuse else "",
                      extra={"decision": {**decision.summary(), **cost}, "bucket": probed.bucket_parts,
-                            "model": model_name or runner.model_fingerprint[:12]},
+                            "model": model_name or runner.model_fingerprint[:12], "block_size": probed.block_size},
                      request_key=probed.request_key)
         storing = _queue_write(store, entry, observer.checkpoints, finished.connectivity, latent,
                                runner.preview(latent))

@@ -60,8 +60,17 @@ class EarlySignature:
         return cls(*(tensors[prefix + name].float() for name in ("hidden", "denoised", "attention")))
 
     def compatible_with(self, other: "EarlySignature") -> bool:
-        return (self.hidden.shape == other.hidden.shape and self.denoised.shape == other.denoised.shape
-                and self.attention.shape == other.attention.shape)
+        return not self.difference(other)
+
+    def difference(self, other: "EarlySignature") -> str:
+        """What keeps the two signatures from being compared, as a reader would name it ("" when nothing does)."""
+        views = (("probe steps", self.hidden.shape[0], other.hidden.shape[0]),
+                 ("transformer blocks recorded", self.hidden.shape[1], other.hidden.shape[1]),
+                 ("denoised estimate grid", tuple(self.denoised.shape[1:]), tuple(other.denoised.shape[1:])),
+                 ("latent channels", self.denoised.shape[0], other.denoised.shape[0]),
+                 ("attention maps recorded", self.attention.shape[0], other.attention.shape[0]),
+                 ("attention summary blocks a side", self.attention.shape[-1], other.attention.shape[-1]))
+        return "; ".join(f"{name} ({mine} here, {theirs} there)" for name, mine, theirs in views if mine != theirs)
 
 
 def _reduce_features(pooled: torch.Tensor) -> torch.Tensor:

@@ -26,10 +26,11 @@ from carnator_engine.gate import BELOW_HIGH, RISK_LEVELS, RISK_POLICIES, SETTING
 from carnator_engine.hosts import contract
 from carnator_engine.store.backends import is_redis_url
 from carnator_engine.store.store import MIN_SIZE_LIMIT, CarnatorStore, StoreError
+from carnator_engine.typed_paths import control_character
 
-from .inputs import (PreparedLatent, check_attention_density, check_in_range, check_latent, check_model, check_number,
-                     check_risk, check_switch, explained, fail, make_config, model_label, progress_callback,
-                     prompt_text, restaged, send_decision, summary_text, to_json)
+from .inputs import (PreparedLatent, check_attention_density, check_block_size, check_in_range, check_latent,
+                     check_model, check_number, check_risk, check_switch, explained, fail, make_config, model_label,
+                     progress_callback, prompt_text, restaged, send_decision, summary_text, to_json)
 from .stores import DEFAULT_SIZE_LIMIT_GB, check_cache_dir, open_store
 
 CATEGORY = "Carnator"
@@ -70,8 +71,9 @@ def _request_inputs(probe_steps_default: int = 0) -> list:
         io.Float.Input("cfg", default=6.0, min=0.0, max=100.0, step=0.1, round=0.01,
                        tooltip="Classifier-free guidance scale, as for KSampler; part of the cache key."),
         io.Combo.Input("sampler_name", options=list(comfy.samplers.KSampler.SAMPLERS), default="euler",
-                       tooltip="The sampler, as for KSampler; part of the cache key. Single-step samplers (euler, "
-                               "heun) resume exactly; multistep ones restart their history at the resume step."),
+                       tooltip="The sampler, as for KSampler; part of the cache key. A miss is KSampler's result "
+                               "with every sampler (SDE and CFG++ ones evaluate up to the probe's steps again); a "
+                               "hit's resumed steps start multistep samplers' history afresh."),
         io.Combo.Input("scheduler", options=list(comfy.samplers.KSampler.SCHEDULERS), default="simple",
                        tooltip="The sigma schedule, as for KSampler; part of the cache key."),
         io.Int.Input("probe_steps", default=probe_steps_default, min=0, max=1000,
@@ -307,11 +309,13 @@ class CarnatorCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, cache_dir=None, size_limit_gb=None):
+    def validate_inputs(cls, cache_dir=None, size_limit_gb=None, blob_dir=None):
         """ComfyUI's check of a prompt before any of its nodes runs: a cache_dir this node would refuse is refused
-        there, before a probe has spent model calls (read-only: nothing is created). A linked cache_dir (None here)
-        is checked when the node runs."""
+        there, before a probe has spent model calls (read-only: nothing is created), and a blob_dir holding a control
+        character. A linked cache_dir or blob_dir (None here) is checked when the node runs."""
         _floats_checked(cls, size_limit_gb=size_limit_gb)
+        if isinstance(blob_dir, str):
+            _check_blob_dir_text(blob_dir)
         if isinstance(cache_dir, str):
             try:
                 check_cache_dir(cache_dir)
@@ -333,14 +337,18 @@ class CarnatorCache(io.ComfyNode):
             raise fail(node, "blob_dir", "must be an absolute folder path (text), or empty")
         if blob_dir.strip() and not is_redis_url(cache_dir):
             raise fail(node, "blob_dir", "is for a farm: set cache_dir to its redis:// URL, or leave blob_dir empty")
-        if "\x00" in blob_dir:
-            raise fail(node, "blob_dir", f"{blob_dir[:200]!r} holds a NUL character (\\x00), which no folder name "
-                                         "can hold: retype the path")
+        _check_blob_dir_text(blob_dir)
         try:
             store = open_store(cache_dir, limit, blob_dir)
         except (StoreError, OSError) as error:
             raise fail(node, _input_at_fault(error, blob_dir), str(error)) from None
         return io.NodeOutput(store)
+
+
+def _check_blob_dir_text(blob_dir: str) -> None:
+    refused = control_character(blob_dir)
+    if refused:
+        raise fail("Carnator Cache", "blob_dir", f"blob_dir {refused}")
 
 
 def _input_at_fault(error: Exception, blob_dir: str) -> str:
@@ -374,7 +382,8 @@ class CarnatorEarlyProbe(io.ComfyNode):
             description="Runs the first probe_steps of the request with hooks that record its Early Signature.",
             inputs=_request_inputs() + [
                 io.Int.Input("block_size", default=0, min=0, max=1024, step=16,
-                             tooltip="Tokens per attention block; 0 picks FlexAttention's 128 on GPUs and 64 on "
+                             tooltip="Tokens per attention block: 16, 32, 64 or a multiple of 128 (what the "
+                                     "block-sparse attention tiles); 0 picks FlexAttention's 128 on GPUs and 64 on "
                                      "the CPU."),
                 CacheType.Input("cache", optional=True, tooltip="Connect the Carnator Cache to answer an exact "
                                 "repeat with its stored result before any probe step runs."),
@@ -386,7 +395,9 @@ class CarnatorEarlyProbe(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, cfg=None, boundary_sigma=None):
+    def validate_inputs(cls, cfg=None, boundary_sigma=None, block_size=None):
+        if block_size is not None:
+            check_block_size("Carnator Early Probe", block_size)
         return _floats_checked(cls, cfg=cfg, boundary_sigma=boundary_sigma)
 
     @classmethod

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from carnator_engine.attention.sparse import tiled_block_size
 from carnator_engine.gate import RISK_LEVELS, default_probe_steps
 from carnator_engine.pipeline import CarnatorConfig
 
@@ -107,11 +108,21 @@ def make_config(node: str, steps: int, probe_steps: int, risk: str = "balanced",
                 max_density: float = 1.0, region_only: bool = False) -> CarnatorConfig:
     probe_steps = check_steps(node, steps, probe_steps)
     check_risk(node, risk)
-    if int(block_size) < 1:
-        raise fail(node, "block_size", f"block_size={block_size} must be >= 1 (64 on CPU, 128 on GPUs)")
+    check_block_size(node, block_size)
     return restaged(node, CarnatorConfig(), steps, probe_steps=int(probe_steps), risk=risk,
                     block_size=int(block_size), sparse_attention=bool(sparse_attention),
                     gate_overrides=dict(gate_overrides or {}), max_density=max_density, region_only=region_only)
+
+
+def check_block_size(node: str, block_size) -> int:
+    """The Early Probe's block_size: 0 (the device's default, resolved by the node) or a size the block-sparse
+    attention tiles, refused before the probe's model calls: the Resume runs a hit at its entry's block size."""
+    if int(block_size) == 0:
+        return 0
+    try:
+        return tiled_block_size(int(block_size))
+    except ValueError as error:
+        raise fail(node, "block_size", f"{error}, or 0 for the default (128 on GPUs, 64 on the CPU)") from None
 
 
 def restaged(node: str, config: CarnatorConfig, steps: int, **settings) -> CarnatorConfig:

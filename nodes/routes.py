@@ -28,6 +28,7 @@ from carnator_engine.store.backends import holds_store, is_redis_url
 from carnator_engine.store.backends.redis_store import shown_url
 from carnator_engine.plain import json_safe
 from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore, StoreError
+from carnator_engine.typed_paths import control_character
 
 from .stores import default_cache_dir, known_stores, open_store, remembered_stores
 
@@ -89,7 +90,8 @@ def resolve_store(cache: Optional[str]) -> Optional[CarnatorStore]:
     if cache is None or cache.strip() == "":
         directory = default
     else:
-        if len(cache) > MAX_PATH_LENGTH or "\x00" in cache or not (os.path.isabs(cache) or is_redis_url(cache)):
+        typed = len(cache) <= MAX_PATH_LENGTH and not control_character(cache)
+        if not (typed and (os.path.isabs(cache) or is_redis_url(cache))):
             raise RequestError(400, "the cache parameter must be the absolute directory or the Redis URL of a "
                                     "known Carnator store (GET /carnator/stats lists them)")
         directory = _normalise(cache)

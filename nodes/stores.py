@@ -16,9 +16,9 @@ import uuid
 
 from carnator_engine.store.backends import is_redis_url, refuse_other_urls, refuse_remote_redis
 from carnator_engine.store.backends.farm import LOCATION_JOIN
-from carnator_engine.store.backends.redis_store import shown_url
 from carnator_engine.store.marker import check_location, inspect, refuse_farm_folder
 from carnator_engine.store import DEFAULT_SIZE_LIMIT, CarnatorStore, StoreError
+from carnator_engine.typed_paths import control_character
 
 DEFAULT_SIZE_LIMIT_GB = DEFAULT_SIZE_LIMIT / (1 << 30)   # the Carnator Cache node's default, in GiB
 
@@ -47,11 +47,10 @@ def _key(location: str) -> str:
     Carnator Cache node's cache_dir names: empty = the default one; a relative path is taken inside the user
     directory, never the server's working directory (which depends on how ComfyUI was started), and may not leave
     it (`..`): a shared workflow's cache_dir cannot reach folders elsewhere on the server."""
+    refused = control_character(location)
+    if refused:
+        raise StoreError(f"cache_dir {refused}")
     location = location.strip()
-    if "\x00" in location:
-        shown = shown_url(location) if is_redis_url(location) else location[:200]
-        raise StoreError(f"cache_dir {shown!r} holds a NUL character (\\x00), which no folder name or URL can "
-                         "hold: retype the path")
     if is_redis_url(location):
         return location
     refuse_other_urls(location)

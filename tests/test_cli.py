@@ -357,9 +357,18 @@ def test_a_session_with_no_hit_says_why_in_the_right_words():
     assert speed_in_words(1.0, 1.01) == "as fast" and speed_in_words(1.0, 0.0) == ">999x faster"
 
 
-def test_a_nul_byte_in_the_cache_path_is_named_not_a_bare_value_error(tmp_path, capsys):
-    assert cli.main(["demo", "--cache", str(tmp_path / "ca\x00che"), "--steps", "2", "--probe-steps", "1"]) == 2
-    assert "holds a NUL character" in capsys.readouterr().err and not list(tmp_path.iterdir())
+@pytest.mark.parametrize("flag", ["--cache", "--weights", "--out", "--json", "--blob-dir"])
+@pytest.mark.parametrize("char", ["\x00", "\n", "\t", "\x1b", "\x7f", "\x85"])
+def test_a_control_character_in_a_path_argument_is_refused_naming_it_before_anything_is_made(tmp_path, capsys,
+                                                                                             flag, char):
+    typed = str(tmp_path / f"ca{char}che")
+    for argv in (["demo", flag, typed, "--steps", "2", "--probe-steps", "1"], ["stats", "--cache", typed]):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        said = capsys.readouterr().err
+        assert exited.value.code == 2 and said.startswith(f"error: argument {argv[1]}: holds the control character "
+                                                          f"{char!r} (U+{ord(char):04X}) at character "), said
+    assert not list(tmp_path.iterdir())
 
 
 def _cli_in_a_fresh_python(argv_list: list) -> list:

@@ -215,11 +215,19 @@ def test_inputs_are_refused_before_any_node_runs(host, tmp_path):
         shown = node_errors(server, staged_prompt(good, **{name: value}), "9")
         assert f"input '{name}': {name}={value:g} is outside its range: set a value in [0, 0.999]" in shown, shown
     assert node_errors(server, staged_prompt(good, max_attention=0.5), "9") == ""   # in range: no error there
-    for cache_dir, message in (("cache\x00dir", "holds a NUL character"),
+    for cache_dir, message in (("cache\x00dir", "holds the control character '\\x00' (U+0000) at character 6"),
+                               ("cache\ndir", "holds the control character '\\n' (U+000A) at character 6"),
                                (".", "names ComfyUI's user directory itself"),
                                (str(foreign_wal_database(tmp_path / "their_app")), "not a Carnator store")):
         before = folder_state(tmp_path / "their_app")
         shown = node_errors(server, staged_prompt(cache_dir), "6")
         assert "input 'cache_dir'" in shown and message in shown, shown
         assert folder_state(tmp_path / "their_app") == before
+    farm = staged_prompt("redis://localhost:6379/0")
+    farm["6"]["inputs"]["blob_dir"] = str(tmp_path / "blobs\n")
+    assert ("input 'blob_dir': blob_dir holds the control character '\\n' (U+000A)" in node_errors(server, farm, "6"))
+    probe = staged_prompt(good)
+    probe["7"]["inputs"]["block_size"] = 7   # the widget steps by 16; a prompt sent to the API can hold any number
+    assert ("input 'block_size': block_size=7 is not a size the block-sparse attention tiles: use 16, 32, 64 or a "
+            "multiple of 128 tokens, or 0 for the default" in node_errors(server, probe, "7"))
     assert not (tmp_path / "new_cache").exists()

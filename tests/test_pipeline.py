@@ -314,3 +314,26 @@ def test_non_finite_sigmas_or_noise_are_refused_before_anything_runs(live_tiny_m
     with pytest.raises(ValueError, match="noise hold non-finite"):
         probe(TinyDiTRunner(live_tiny_model, "a red circle"), noise, SIGMAS, _config())
     assert store.stats()["entries"] == 0
+
+
+def test_a_miss_among_entries_probed_at_another_block_size_names_the_block_size(live_tiny_model, store):
+    """Entries probed at 64 tokens per attention block, a request at 16: their attention summaries differ in size and
+    cannot be compared; the miss says what differs and the block size that would reuse them."""
+    first = _run(live_tiny_model, store, "a red circle moving left", 1)
+    finer = _run(live_tiny_model, store, "a red circle moving right", 1, block_size=16)
+    assert not finer.decision.reuse
+    assert finer.decision.reasons == [
+        f"the cache holds generations of this model, shape and schedule, but the Early Signature of entry "
+        f"{first.entry_id} differs from this request's in attention summary blocks a side (16 here, 8 there): it was "
+        "probed at block_size 64, this request at 16; set block_size to 64 to reuse it"]
+
+
+@pytest.mark.parametrize("block_size", [7, 48, 100, 8])
+def test_a_block_size_the_attention_does_not_tile_is_refused_before_any_model_call(live_tiny_model, store,
+                                                                                    block_size, monkeypatch):
+    monkeypatch.setattr(TinyDiTRunner, "run", lambda *args: pytest.fail("the model ran"))
+    with pytest.raises(ValueError) as refused:
+        _run(live_tiny_model, store, "a red circle moving left", 1, block_size=block_size)
+    assert str(refused.value) == (f"block_size={block_size} is not a size the block-sparse attention tiles: use "
+                                  "16, 32, 64 or a multiple of 128 tokens")
+    assert store.records() == []

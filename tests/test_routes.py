@@ -66,11 +66,13 @@ def test_cache_parameter_must_name_a_known_store(registry, tmp_path):
     assert routes.resolve_store(str(tmp_path / "other") + "/") is other
     assert routes.resolve_store(str(tmp_path / "x" / ".." / "other")) is other  # same store, spelled otherwise
     for attempt in [str(tmp_path), str(tmp_path / "other" / ".."), "/etc", "../../etc", "other",
-                    str(tmp_path / "other") + "\x00", "/" + "a" * 5000]:
+                    str(tmp_path / "other") + "\x00", "/" + "a" * 5000, str(tmp_path / "other\n"),
+                    str(tmp_path / "ot\x7fher"), str(tmp_path / "other") + "\t"]:
         with pytest.raises(routes.RequestError) as caught:
             routes.resolve_store(attempt)
         assert caught.value.status == 400
-    assert not os.path.exists(tmp_path / "default_store")
+    assert not os.path.exists(tmp_path / "default_store") and "other" in os.listdir(tmp_path)
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("ot") and name != "other"]
     listed = [s["directory"] for s in routes.store_directories()]
     assert listed == [os.path.normpath(registry), os.path.normpath(str(tmp_path / "other"))]
 

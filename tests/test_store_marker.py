@@ -5,7 +5,7 @@ import os
 import pytest
 
 from carnator_engine.store import CarnatorStore, StoreError
-from carnator_engine.store.marker import MARKER_FILE
+from carnator_engine.store.marker import MARKER_FILE, check_location
 from carnator_engine.store.owned_files import header
 from test_store import _put
 
@@ -118,6 +118,23 @@ def test_the_root_and_system_folders_are_refused_before_anything_is_written(loca
         CarnatorStore(location)
 
 
+@pytest.mark.parametrize("char", ["\n", "\t", "\x00", "\x1b", "\x7f", "\x9b"])
+def test_a_control_character_in_a_store_location_is_refused_before_any_folder_is_made(tmp_path, char):
+    """Through the engine: a folder, a trailing one (strip() would take it away unseen), a Redis URL and a farm's
+    blob folder."""
+    said = rf"holds the control character '.+' \(U\+{ord(char):04X}\) at character \d+, which no path or URL holds"
+    for location in (str(tmp_path / f"ca{char}che" / "inner"), str(tmp_path / "cache") + char):
+        with pytest.raises(StoreError, match="^the cache location " + said):
+            CarnatorStore(location)
+    with pytest.raises(StoreError, match="^the cache location " + said):
+        CarnatorStore(f"redis://localhost:6379/0{char}")
+    with pytest.raises(StoreError, match="^blob_dir " + said):
+        CarnatorStore("redis://localhost:6379/0", blob_dir=str(tmp_path / f"blobs{char}"))
+    with pytest.raises(StoreError, match="^the Carnator cache folder " + said):
+        check_location(str(tmp_path / f"ca{char}che"))
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_relative_cache_dir_stays_inside_the_user_directory(tmp_path, monkeypatch):
     from nodes import stores
     user = tmp_path / "user"
@@ -130,8 +147,11 @@ def test_a_relative_cache_dir_stays_inside_the_user_directory(tmp_path, monkeypa
         with pytest.raises(StoreError, match="names ComfyUI's user directory itself .*a store needs a folder of its "
                                              "own, such as 'carnator_cache'"):
             stores._key(itself)
-    with pytest.raises(StoreError, match=r"cache_dir 'my\\x00cache' holds a NUL character .*retype the path"):
-        stores._key("my\x00cache")
+    for char in ("\x00", "\n", "\r", "\t", "\x1f", "\x7f", "\x9f"):
+        for typed in (f"my{char}cache", f"caches/one{char}", f"redis://host:6379/0{char}"):
+            with pytest.raises(StoreError, match=rf"^cache_dir holds the control character '.+' \(U\+{ord(char):04X}\) "
+                                                 r"at character \d+, which no path or URL holds: retype it$"):
+                stores._key(typed)
     assert not (tmp_path / "outside").exists()
 
 

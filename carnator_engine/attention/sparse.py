@@ -99,6 +99,7 @@ __all__ = [
     "prepare_flex",
     "select_connectivity",
     "token_blocks_from_mask",
+    "tiled_block_size",
     "with_dense_tail",
 ]
 
@@ -125,6 +126,23 @@ def _check_block_size(block_size: Any) -> int:
     if block_size <= 0:
         raise ValueError(f"block_size must be a positive int (tokens per block), got {block_size}")
     return int(block_size)
+
+
+TILED_BLOCK_SIZES = "16, 32, 64 or a multiple of 128"
+"""The block sizes :func:`tiled_block_size` takes, as its error names them."""
+
+
+def tiled_block_size(block_size: Any) -> int:
+    """``block_size``, or a ValueError naming the sizes a generation's connectivity may be recorded at: 16, 32 or
+    64 tokens (whole fractions of flex's 128-token tile, so a tile's mask is a few whole blocks) or a multiple of
+    128 (whole tiles, every allowed tile a full one; FA4 takes only these). Any other size (7, 100) makes nearly
+    every tile a partly masked one, which flex runs through the mask function at a fraction of its speed, and FA4
+    cannot run at all; below 16 the tables grow to millions of blocks a transformer block."""
+    size = _check_block_size(block_size)
+    if size % FLEX_TILE and size not in (16, 32, 64):
+        raise ValueError(f"block_size={size} is not a size the block-sparse attention tiles: use "
+                         f"{TILED_BLOCK_SIZES} tokens")
+    return size
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -167,11 +167,43 @@ def _parameter_count(model) -> int:
 
 # ---- one run ----------------------------------------------------------------------------------
 
+@dataclass
+class _Continuation:
+    """A run from step 0 (a probe), kept so that the run continuing from its end (the rest of a miss) samples both in
+    one sampler pass, as KSampler does: the sampler starts again from the same inputs over both runs' steps, and the
+    evaluations it asks for at the same x as in the first run are answered from this record, with no model call.
+    A multistep sampler (dpmpp_2m) so keeps its history across the split and an ancestral one draws its noise in
+    KSampler's order. A sampler whose first steps depend on the later ones (an SDE sampler's Brownian noise spans the
+    whole schedule, uni_pc lowers its order near the end) asks for another x: from there the first run's steps are
+    evaluated again, so the result is KSampler's all the same, at the cost of those model calls."""
+    source: object              # the expert that ran it
+    schedule: torch.Tensor      # the whole schedule
+    end: int                    # the step its latent enters
+    noise: torch.Tensor         # the sampler's inputs
+    latent: torch.Tensor
+    inputs: list = dataclasses.field(default_factory=list)     # the x of each evaluation (CPU)
+    outputs: list = dataclasses.field(default_factory=list)    # its denoised output (CPU)
+    result: Optional[torch.Tensor] = None                      # the latent run() returned
+
+    def continued_by(self, source, schedule: torch.Tensor, start: int, x: torch.Tensor) -> bool:
+        """Whether a run from `start` at `x` continues this one (the same expert, schedule and latent)."""
+        return (source is self.source and start == self.end and torch.equal(schedule, self.schedule)
+                and (x is self.result or (x.shape == self.result.shape and torch.equal(x.cpu(), self.result))))
+
+
 class _Run:
-    """State of one run() call: which step the sampler is in and the observer it reports to."""
+    """State of one run() call: which step the sampler is in and the observer it reports to. With `history` (the
+    run it continues) the sampler runs from step 0, and the evaluations of the steps before `start` come from it."""
 
     def __init__(self, observer, layout: BackboneLayout, sigmas: torch.Tensor, start: int, end: int,
-                 total_steps: int, step_callback: Optional[StepCallback], carry: StepCacheCarry, lane: str):
+                 total_steps: int, step_callback: Optional[StepCallback], carry: StepCacheCarry, lane: str,
+                 history: Optional[_Continuation] = None, recording: Optional[_Continuation] = None):
+        self.history = history
+        self.recording = recording           # this run's record, when a later run may continue it
+        self.first = 0 if history is not None else start   # the step the sampler starts at
+        self.evaluations = 0                 # of the history's, asked for so far
+        self.diverged = False                # the sampler asked for an x the history did not evaluate
+        self.post_cfg_functions = 0          # the model's own (its patches'), which the history's evaluations ran
         self.observer = observer
         self.layout = layout
         self.schedule = sigmas
@@ -191,6 +223,36 @@ class _Run:
         self.step_cache_state: Optional[tuple] = None  # its state after the latest evaluation
 
     # PREDICT_NOISE wrapper (the outermost: it sees every evaluation the sampler asks for, skipped or not)
+    def in_history(self) -> bool:
+        return self.history is not None and self.evaluations < len(self.history.outputs)
+
+    def from_history(self, executor, args, kwargs) -> torch.Tensor:
+        """The history's output for this evaluation while the sampler asks for the same x; once it does not, the
+        model's, reported to no observer (the history's run reported these steps) but counted as forwards. A CFG++
+        sampler reads the unguided estimate through a post-CFG function of its own, which only an evaluation
+        calls: its history is evaluated again."""
+        x, index = _argument(args, kwargs, 0, "x"), self.evaluations
+        self.evaluations += 1
+        model_options = _argument(args, kwargs, 2, "model_options", {})
+        own_functions = len(model_options.get("sampler_post_cfg_function", ())) == self.post_cfg_functions
+        if own_functions and not self.diverged and torch.equal(x.detach().cpu(), self.history.inputs[index]):
+            return self.history.outputs[index].to(x.device)
+        self.diverged = True
+        from ..observer import GenerationObserver
+        observer, self.observer = self.observer, GenerationObserver()
+        self.tokens = math.prod(self.layout.token_grid(x.shape))
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            if hasattr(observer, "forwards"):
+                observer.forwards += self.observer.forwards
+            self.observer = observer
+
+    def record(self, x: torch.Tensor, denoised: torch.Tensor) -> None:
+        if self.recording is not None:
+            self.recording.inputs.append(x.detach().cpu())
+            self.recording.outputs.append(denoised.detach().cpu())
+
     def step_cache(self, model_options: dict, guider, evaluated: bool) -> None:
         holder = live_holder(model_options)
         if holder is None:
@@ -222,8 +284,10 @@ class _Run:
 
     # sampler callback: (step within this sub-run, denoised, x entering the step, steps of the sub-run)
     def callback(self, i: int, x0: torch.Tensor, x: torch.Tensor, _total: int) -> None:
-        step = self.start + int(i)
-        self.denoised[int(i)] = x0
+        step = self.first + int(i)
+        if step < self.start:      # a step of the history: reported by its own run
+            return
+        self.denoised[step - self.start] = x0
         if getattr(self.observer, "checkpoints", None) is not None:
             self.observer.checkpoints.record(step, x)
         if self.step_callback is not None:
@@ -283,12 +347,15 @@ def _predict_noise_wrapper(executor, *args, **kwargs):
     """PREDICT_NOISE, outermost (outside any compiled model): every evaluation the sampler asks for. The guider's
     predict_noise(x, timestep, model_options, seed, ...): whatever else the host passes goes on untouched."""
     run = _ACTIVE.run
-    model_options = _argument(args, kwargs, 2, "model_options", {})
-    run.before_evaluation(_argument(args, kwargs, 0, "x"), _argument(args, kwargs, 1, "timestep"))
+    if run.in_history():
+        return run.from_history(executor, args, kwargs)
+    x, model_options = _argument(args, kwargs, 0, "x"), _argument(args, kwargs, 2, "model_options", {})
+    run.before_evaluation(x, _argument(args, kwargs, 1, "timestep"))
     run.step_cache(model_options, executor.class_obj, evaluated=False)
     out = executor(*args, **kwargs)
     run.step_cache(model_options, executor.class_obj, evaluated=True)
     run.after_evaluation(out)
+    run.record(x, out)
     return out
 
 
@@ -569,6 +636,7 @@ class ComfyRunner:
         # part of the bucket: a hit only ever resumes a generation of the same start image ("" for text-to-video)
         self.image_fingerprint = start_image_fingerprint(positive, negative, self.kept_latent, self.noise_mask)
         self.carry = StepCacheCarry()                # the step cache's state from one run of the request to the next
+        self._continuation: Optional[_Continuation] = None   # its probe, for the run that continues it
         # what a region-only resume may keep on the GPU (kept_kv): nothing under dynamic VRAM
         self.memory = TorchMemory(_host_free_memory, paged=contract.dynamic_vram(model))
         # what torch compiles in this request's runs, when a model is compiled (shared by with_step_callback's clones)
@@ -732,16 +800,28 @@ class ComfyRunner:
         import comfy.samplers
         steps = len(sigmas) - 1
         schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
-        # a copy: some host samplers write into the sigmas they are given (uni_pc sets the last one to 0.001)
-        sub = schedule[start:end + 1].clone()
-        run = _Run(observer, self.layout, schedule, start, end, steps, self.step_callback, self.carry,
-                   "low" if source is not self.model else "high")
         model = self._patched_clone(source)
+        history = self._continuation
+        if history is not None and not history.continued_by(source, schedule, start, x):
+            history = None
+        # a run from step 0 that stops short (a probe) is recorded for the run that may continue it; not with a
+        # step cache inside, whose own state carries from run to run (StepCacheCarry)
+        recording = None
         x = x.detach().to("cpu", torch.float32)
-        sigma0 = float(sub[0])
-        if sigma0 <= 0.0:
-            raise ValueError("cannot run steps from sigma 0: the trajectory has already ended")
-        noise, latent = self._sampler_start(x, sigma0)
+        if history is not None:
+            noise, latent = history.noise, history.latent
+        else:
+            sigma0 = float(schedule[start])
+            if sigma0 <= 0.0:
+                raise ValueError("cannot run steps from sigma 0: the trajectory has already ended")
+            noise, latent = self._sampler_start(x, sigma0)
+            if start == 0 and end < steps and live_holder(model.model_options) is None:
+                recording = _Continuation(source, schedule, end, noise, latent)
+        run = _Run(observer, self.layout, schedule, start, end, steps, self.step_callback, self.carry,
+                   "low" if source is not self.model else "high", history, recording)
+        run.post_cfg_functions = len(model.model_options.get("sampler_post_cfg_function", ()))
+        # a copy: some host samplers write into the sigmas they are given (uni_pc sets the last one to 0.001)
+        sub = schedule[run.first:end + 1].clone()
         sampler = comfy.samplers.sampler_object(self.sampler_name)
         try:
             with torch.no_grad(), _running(run), self._watched(source, run, x):
@@ -756,6 +836,9 @@ class ComfyRunner:
                                f"{self.model_text or 'no patches or wrappers'}. Nothing was stored") from error
         x_end = self.from_latent_format(out.to("cpu")) * (1.0 - float(schedule[end]))
         run.finish(x_end, end)
+        if recording is not None:
+            recording.result = x_end
+            self._continuation = recording
         return x_end
 
     def _sampler_start(self, x: torch.Tensor, sigma0: float) -> tuple:

@@ -86,29 +86,49 @@ HELD_BUCKET = "the cache holds generations of this model, shape and schedule"
 EMPTY_CACHE = "the cache holds no generation yet"
 
 
-def incomparable_bucket(store: CarnatorStore, bucket: str, signature: EarlySignature, probe_steps: int) -> str:
+def incomparable_bucket(store: CarnatorStore, bucket: str, signature: EarlySignature, probe_steps: int,
+                        block_size: int) -> str:
     """Why a bucket that holds entries gave no candidate: they were probed for another number of steps (an Early
-    Signature holds one state per probe step, so probes of different lengths cannot be compared), or they could not
-    be read (corrupt or gone; the store reported which). Reads the records of the bucket's nearest entries."""
+    Signature holds one state per probe step, so probes of different lengths cannot be compared), their signatures
+    differ in shape from this request's (an attention summary recorded at another `block_size`, the probe's tokens
+    per attention block), or they could not be read (corrupt or gone; the store reported which). Reads the records
+    and signatures of the bucket's nearest entries."""
     try:
         nearest_ids = store.shortlist(bucket, signature, SHORTLIST)
     except ValueError as error:   # a non-finite signature (the lookup has reported it)
         return (f"{HELD_BUCKET}, but this request's signature cannot be "
                 f"compared with them ({error})")
-    probes = set()
+    records = {}
     for entry_id in nearest_ids:
         try:
-            probes.add(store.record(entry_id).probe_steps)
+            records[entry_id] = store.record(entry_id)
         except StoreError:
             continue
-    others = sorted(probes - {probe_steps})
+    others = sorted({record.probe_steps for record in records.values()} - {probe_steps})
     if others:
         steps = " or ".join(str(p) for p in others)
         return (f"{HELD_BUCKET} probed for {steps} steps, this request "
                 f"for {probe_steps}: probes of different lengths cannot be compared (set probe steps to {others[0]} "
                 "to reuse them)")
+    for entry_id, theirs in store.signatures_of(list(records)).items():
+        difference = signature.difference(theirs)
+        if difference:
+            return (f"{HELD_BUCKET}, but the Early Signature of entry {entry_id} differs from this request's in "
+                    f"{difference}{_block_size_fix(records[entry_id], signature, theirs, block_size)}")
     return (f"{HELD_BUCKET}, but none could be read for comparison "
             "(the warnings say why)")
+
+
+def _block_size_fix(record: EntryRecord, mine: EarlySignature, theirs: EarlySignature, block_size: int) -> str:
+    """The fix for an attention summary of another size: the probe's block_size (its attention blocks make the
+    summary, up to a fixed grid) is not the entry's; "" for any other difference."""
+    if mine.attention.shape[-1] == theirs.attention.shape[-1]:
+        return ""
+    recorded = record.extra.get("block_size") if isinstance(record.extra, dict) else None
+    if recorded is None:    # stored before entries kept it
+        return f": it was probed at another block_size than this request's {block_size}; probe at its block_size"
+    return (f": it was probed at block_size {recorded}, this request at {block_size}; set block_size to {recorded} "
+            "to reuse it")
 
 
 def _finite(score: float) -> float:

@@ -20,6 +20,7 @@ import sqlite3
 import urllib.parse
 import uuid
 
+from ..typed_paths import control_character
 from .errors import StoreError, StoreUnavailable
 from .owned_files import read_regular
 
@@ -41,11 +42,12 @@ def _inside(path: str, tree: str) -> bool:
     return path == tree or path.startswith(tree.rstrip(os.sep) + os.sep)
 
 
-def check_location(directory: str) -> str:
-    """The folder's absolute real path, or StoreError for the filesystem root, a system folder or the home folder."""
-    if "\x00" in directory:
-        raise StoreError(f"Carnator cache {directory[:200]!r} holds a NUL character (\\x00), which no folder name "
-                         "can hold: retype the path")
+def check_location(directory: str, name: str = "the Carnator cache folder") -> str:
+    """The folder's absolute real path, or StoreError for a name holding a control character (`name` says which
+    folder), the filesystem root, a system folder or the home folder."""
+    refused = control_character(directory)
+    if refused:
+        raise StoreError(f"{name} {refused}")
     real = os.path.realpath(os.path.abspath(os.path.expanduser(directory)))
     home = os.path.realpath(os.path.expanduser("~"))
     refused = (os.path.dirname(real) == real or real == home or real in REFUSED_FOLDERS

@@ -152,6 +152,40 @@ def test_other_samplers_report_the_samplers_own_states(comfy, plugin, tiny_model
         assert torch.allclose(observer.inner.checkpoints.latents[step].float(), x, atol=1e-2), step
 
 
+# One sampler of each kind the node offers (every one of KSampler.SAMPLERS was checked so, in about ten minutes
+# on two CPU cores): the history is replayed (single-step, multistep, ancestral noise, two evaluations a step), or
+# evaluated again from where the sampler asks for another x (an SDE sampler's Brownian noise spans the schedule),
+# or from its start (a CFG++ sampler reads the unguided estimate during the evaluation).
+MISS_SAMPLERS = {"euler": 0, "dpmpp_2m": 0, "euler_ancestral": 0, "heun": 0, "uni_pc": 0, "dpmpp_2m_sde": 1,
+                 "euler_cfg_pp": 2}
+
+
+def test_a_miss_is_the_host_samplers_result_with_every_kind_of_sampler(comfy, plugin, counted, conds, latent):
+    """A miss runs its probe, then the rest: one sampler pass over both (the rest answers the probe's evaluations
+    from its record), as KSampler's, so a multistep sampler keeps its history and an ancestral one its noise; the
+    model calls beyond KSampler's are those of the probe's evaluations the sampler asked for at another x."""
+    import comfy.sample
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.observer import GenerationObserver
+    positive, negative = conds
+    samples, steps, probe_steps = latent["samples"], 4, 2
+    noise = comfy.sample.prepare_noise(samples, SEED)
+    errors, extra = {}, {}
+    for sampler_name in MISS_SAMPLERS:
+        reference = comfy.sample.sample(counted.model, noise, steps, CFG, sampler_name, "simple", positive, negative,
+                                        samples, disable_pbar=True, seed=SEED)
+        plain_calls = counted.take()
+        runner = ComfyRunner(counted.model, positive, negative, CFG, sampler_name, "simple", steps=steps, seed=SEED)
+        probed = runner.run(noise * float(runner.sigmas[0]), runner.sigmas, 0, probe_steps, GenerationObserver())
+        probe_calls, observer = counted.take(), GenerationObserver()
+        rest = runner.run(probed, runner.sigmas, probe_steps, steps, observer)
+        errors[sampler_name] = (runner.to_latent_format(rest) - reference).abs().max().item()
+        extra[sampler_name] = probe_calls + counted.calls - plain_calls
+        assert observer.forwards == counted.take() and observer.steps_run == steps - probe_steps, sampler_name
+    assert max(errors.values()) < 1e-5, errors
+    assert extra == MISS_SAMPLERS
+
+
 # ---- the reuse pipeline through the nodes ------------------------------------------------------
 
 def test_sampler_node_miss_then_hit_with_fewer_model_calls(comfy, plugin, counted, conds, latent, tmp_path):
@@ -687,8 +721,11 @@ def test_bad_inputs_raise_clear_errors_and_leave_the_store_intact(comfy, plugin,
     blob_named.write_text("not a folder")
     with pytest.raises(ValueError, match=r"^Carnator Cache: input 'cache_dir': .*my_blobs_file.* is a file"):
         open_cache(comfy, blob_named)
-    with pytest.raises(ValueError, match=r"^Carnator Cache: input 'cache_dir': .* holds a NUL character"):
-        open_cache(comfy, str(tmp_path / "ca\x00che"))
+    for char in ("\x00", "\n", "\t", "\x85"):
+        with pytest.raises(ValueError, match=r"^Carnator Cache: input 'cache_dir': cache_dir holds the control "):
+            open_cache(comfy, str(tmp_path / f"ca{char}che"))
+        with pytest.raises(ValueError, match=r"^Carnator Cache: input 'blob_dir': blob_dir holds the control "):
+            node(comfy, "CarnatorCache")("redis://localhost:6379/0", 1.0, str(tmp_path / f"blobs{char}"))
     foreign = foreign_wal_database(tmp_path / "their_app")   # another program's folder: refused, nothing touched
     untouched = folder_state(foreign)
     with pytest.raises(ValueError, match=r"input 'cache_dir': .*not a Carnator store.*nothing in it was touched"):

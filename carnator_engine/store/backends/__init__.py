@@ -35,6 +35,7 @@ import ipaddress
 import os
 import urllib.parse
 
+from ...typed_paths import control_character
 from ..errors import StoreError
 
 REDIS_SCHEMES = ("redis://", "rediss://")
@@ -90,7 +91,13 @@ def holds_store(location: str) -> bool:
 
 
 def shown_location(location: str, blob_dir: str = "") -> str:
-    """Where a store lives, as its backend's `location` says it (no password), found without opening it."""
+    """Where a store lives, as its backend's `location` says it (no password), found without opening it: what a
+    store checks first, so a location or blob_dir holding a control character is refused before anything is made
+    (and before strip() takes a trailing newline or tab away unseen)."""
+    for name, text in (("the cache location", location), ("blob_dir", blob_dir)):
+        refused = control_character(text)
+        if refused:
+            raise StoreError(f"{name} {refused}")
     if not is_redis_url(location):
         from ..marker import check_location
         return check_location(location)

@@ -38,7 +38,7 @@ class BlobFolder:
         if not isinstance(path, str) or not os.path.isabs(os.path.expanduser(path.strip())):
             raise StoreError(f"blob_dir {str(path)[:200]!r} is not an absolute folder path: give the folder every "
                              "worker mounts, such as /mnt/shared/carnator_blobs")
-        self.location = check_location(path.strip())
+        self.location = check_location(path.strip(), "blob_dir")
         self.identity = None
 
     def marker(self):
