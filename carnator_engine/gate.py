@@ -148,6 +148,13 @@ def furthest_resume(policy: GatePolicy, steps: int) -> int:
     return max(0, min(steps - 1, int(fraction * steps)))
 
 
+def latest_resume_checkpoint(steps: int) -> int:
+    """The latest step an entry keeps a checkpoint to resume at: the furthest any risk preset resumes. An entry's
+    later checkpoints serve region-only refreshes (resume.region_only_steps), never a resume step, so a gate whose
+    overrides reach further resumes where it did before they were kept."""
+    return max(furthest_resume(p, steps) for p in RISK_POLICIES.values())
+
+
 def policy_for(risk: str, **overrides) -> GatePolicy:
     if risk not in RISK_POLICIES:
         raise ValueError(f"unknown risk level {risk!r}: choose one of {', '.join(RISK_LEVELS)}")
@@ -283,7 +290,7 @@ def _assess(candidate, policy: GatePolicy, steps: int, probe_steps: int):
     shrink, refine_target = (False, False) if few_step(steps) else (policy.shrink_with_risk, policy.refine_target)
     wanted = probe_steps + int((furthest - probe_steps) * (1.0 - risk)) if shrink else furthest
     checkpoints = candidate.record.checkpoint_steps
-    available = [s for s in checkpoints if probe_steps < s <= wanted]
+    available = [s for s in checkpoints if probe_steps < s <= min(wanted, latest_resume_checkpoint(steps))]
     resume = max(available, default=probe_steps)
     refine = _refine_step(checkpoints, probe_steps, resume) if refine_target and bool(cells.any()) else None
     if resume - probe_steps - (refine is not None) < policy.min_saved_steps:

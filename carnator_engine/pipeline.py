@@ -200,7 +200,7 @@ def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list
     """Steps whose entering latent an entry keeps: every step a hit could resume at, thinned evenly, and a few
     evenly spread after the furthest of them, where a later region-only hit refreshes the keys and values of the
     tokens it does not compute from a state this generation passed through (resume.region_only_steps)."""
-    furthest = max(gate_module.furthest_resume(p, steps) for p in gate_module.RISK_POLICIES.values())
+    furthest = gate_module.latest_resume_checkpoint(steps)
     candidates = list(range(probe_steps + 1, furthest + 1))
     if len(candidates) > max_checkpoints:
         stride = len(candidates) / max_checkpoints

@@ -26,6 +26,12 @@ class _Run:
     def after_evaluation(self, out):
         self.seen.append(("after", out))
 
+    def in_history(self):        # a miss's continuation answering its probe's evaluations: not this run
+        return False
+
+    def record(self, x, out):
+        self.seen.append(("record", x, out))
+
 
 class _Executor:
     """A WrapperExecutor stand-in: records the arguments it is called with."""

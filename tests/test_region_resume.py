@@ -389,3 +389,15 @@ def test_the_node_says_how_a_hit_resumed_and_what_it_expects(live_tiny_model, st
     assert "; whole clip: the change covers" in summary_text(summary)
     assert resume(runner, probed, decision, store, _config(region_only=False), PROMPT, 2
                   ).decision.summary()["region"] == ""           # off: no region line at all
+
+
+def test_a_gate_that_may_resume_further_never_resumes_at_a_refresh_checkpoint(live_tiny_model, store):
+    """An entry keeps checkpoints after the furthest step any preset resumes at, for region-only refreshes; a gate
+    whose overrides reach further (LOOSE: 90 % of the schedule) still resumes at a checkpoint a preset could."""
+    from carnator_engine.gate import latest_resume_checkpoint
+    from carnator_engine.pipeline import checkpoint_steps
+    runner, probed, decision, _ = _hit(live_tiny_model, store)
+    kept = store.record(decision.entry_id).checkpoint_steps
+    assert kept == checkpoint_steps(STEPS, 2, CarnatorConfig().max_checkpoints)
+    assert any(s > latest_resume_checkpoint(STEPS) for s in kept)
+    assert decision.resume_step == latest_resume_checkpoint(STEPS) < int(0.9 * STEPS)
