@@ -53,6 +53,8 @@ def parse_args(argv=None):
                         help="region steps each profile records (0: none, every hit timed unprofiled)")
     parser.add_argument("--easycache-threshold", type=float, default=0.4,
                         help="EasyCache's reuse_threshold in the easycache variant (start 0.15, end 0.95)")
+    parser.add_argument("--refresh-steps", type=int, default=2,
+                        help="CarnatorConfig.region_refresh_steps of every hit (default 2, the product's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.variants = [name.strip() for name in args.variants.split(",") if name.strip()]
@@ -197,7 +199,8 @@ def run(args):
         return ComfyRunner(m, positive, negative, cfg=1.0, sampler_name="euler", scheduler="simple", steps=n,
                            seed=args.seed)
     runner = runner_on(model)
-    config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=0.3, region_only=False)
+    config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=0.3, region_only=False,
+                            region_refresh_steps=args.refresh_steps)
     out = {**machine_facts(device, version), "params": params, "dtype": str(dtype),
            "config": {"steps": n, "probe": p, "resume": k, "latent": list(preset["latent"]),
                       "profile_steps": args.profile_steps}, "cases": {}}

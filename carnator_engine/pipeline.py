@@ -206,7 +206,7 @@ def checkpoint_steps(steps: int, probe_steps: int, max_checkpoints: int) -> list
         stride = len(candidates) / max_checkpoints
         candidates = [candidates[min(len(candidates) - 1, int(round((i + 1) * stride)) - 1)]
                       for i in range(max_checkpoints)]
-    later = range(furthest + 1, steps)
+    later = range(furthest + 1, steps - 1)     # the last step's own latent serves no refresh: nothing follows it
     refresh = {later[int((i + 0.5) * len(later) / REFRESH_CHECKPOINTS)] for i in range(REFRESH_CHECKPOINTS)} \
         if len(later) else set()
     return sorted(set(candidates) | refresh)

@@ -118,7 +118,8 @@ def plan_region(runner, probed, decision: gate_module.Decision, payload, config)
     ok, reason, note, expected = gate_module.region_only_verdict(share, config.region_max_share, decision, len(full))
     region_steps = max(0, decision.steps - decision.resume_step - len(full)) if ok else 0
     decision = _with_reason(decision, reason, {"region_share": round(share, 4), "region_only": ok,
-                                               "region_steps": region_steps, "region_expected_speedup": expected})
+                                               "region_steps": region_steps, "region_expected_speedup": expected,
+                                               "region_full_steps": sorted(full) if ok else []})
     decision = dataclasses.replace(decision, region=note)
     if not ok:
         return decision, None, ""
@@ -155,17 +156,19 @@ def key_share(reach: dict, tokens: torch.Tensor) -> float:
 def _full_steps(runner, decision: gate_module.Decision, config, payload) -> frozenset:
     """Resumed steps that run every token and capture the others' keys and values: the first, the first of the
     low-noise expert (its keys differ from the high-noise expert's), and `region_refresh_steps` more, spread evenly
-    over the stored checkpoints after the first (there the others' latent is the cached trajectory's own)."""
+    over the stored checkpoints after the first (there the others' latent is the cached trajectory's own), each with a
+    region step before it and after it (a refresh next to a full step would capture what that step just did)."""
     k, steps = decision.resume_step, decision.steps
     full = {k}
     switch = getattr(runner, "switch_step", None)
     if switch is not None and k < switch < steps:
         full.add(int(switch))
-    stored = [s for s in (payload.checkpoints if payload is not None else ()) if k < s < steps - 1]
-    wanted = int(config.region_refresh_steps)
-    if stored:
-        full |= {min(stored, key=lambda s: (abs(s - (k + (steps - k) * (i + 1) / (wanted + 1))), s))
-                 for i in range(wanted)}
+    stored = [s for s in (payload.checkpoints if payload is not None else ()) if k + 1 < s < steps - 1]
+    for i in range(int(config.region_refresh_steps)):
+        aim = k + (steps - k) * (i + 1) / (int(config.region_refresh_steps) + 1)
+        apart = [s for s in stored if all(abs(s - f) > 1 for f in full)]
+        if apart:
+            full.add(min(apart, key=lambda s: (abs(s - aim), s)))
     return frozenset(full)
 
 

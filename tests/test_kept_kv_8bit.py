@@ -78,7 +78,7 @@ def test_the_plan_counts_the_dequantized_keys_and_values_beside_the_kept_ones(mo
     working, _ = placement(order, sizes, reading, share=0.0, margin=0.05, working=400 * MIB)
     assert len(working) == len(alone) - 3                                  # 300 MiB more than one block's copy
     asked = []
-    monkeypatch.setattr(kept_kv, "placement", lambda *args: (asked.append(args[-1]), (set(), None))[1])
+    monkeypatch.setattr(kept_kv, "placement", lambda *args: (asked.append(args[5]), (set(), None))[1])   # working
     k = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16)
     for eight_bit, expected in ((False, None), (True, 2 * 2 * k.numel() * 2)):
         kept = KeptKeysValues(FakeMemory(reading=reading), eight_bit=eight_bit)

@@ -234,10 +234,15 @@ def test_probe_longer_than_the_generation_is_refused(live_tiny_model):
         probe(TinyDiTRunner(live_tiny_model, "a"), _noise(0), SIGMAS, CarnatorConfig(probe_steps=12))
 
 
-def test_checkpoints_cover_every_reachable_resume_step():
-    assert checkpoint_steps(20, 3, 20) == list(range(4, 14))
+def test_checkpoints_cover_every_reachable_resume_step_and_a_few_refreshes_after():
+    from carnator_engine.gate import latest_resume_checkpoint
+    assert latest_resume_checkpoint(20) == 13
+    assert checkpoint_steps(20, 3, 20) == list(range(4, 14)) + [14, 16, 18]      # region-only refreshes after 13
     thinned = checkpoint_steps(50, 5, 8)
-    assert len(thinned) == 8 and thinned[-1] == 32 and thinned[0] > 5
+    resumes = [s for s in thinned if s <= latest_resume_checkpoint(50)]
+    assert len(resumes) == 8 and resumes[-1] == 32 and resumes[0] > 5
+    assert thinned[len(resumes):] == [35, 41, 46]
+    assert checkpoint_steps(8, 1, 12) == [2, 3, 4, 5, 6]       # no step left between the furthest and the last
 
 
 # ---- store faults degrade to a full generation (issue 16) ----------------------------------------

@@ -88,7 +88,7 @@ OTHER_SETTINGS = {"gate risk": dict(gate=dict(risk="safe")),
                   "lookup limit": dict(limit=1),
                   "dense resume": dict(resume_with=dict(sparse_attention=False)),
                   "attention density": dict(resume_with=dict(max_density=0.5)),
-                  "whole-clip only": dict(resume_with=dict(region_only=False)),
+                  "region-only": dict(resume_with=dict(region_only=True)),
                   "region share": dict(resume_with=dict(region_only=True, region_max_share=0.9))}
 
 

@@ -284,6 +284,7 @@ def test_the_low_noise_experts_first_step_is_a_full_step():
     assert resume_stage._full_steps(object(), decision, config, None) == {6}
     stored = type("P", (), {"checkpoints": {s: None for s in (3, 6, 8, 10, 11)}})()
     assert resume_stage._full_steps(object(), decision, CarnatorConfig(region_refresh_steps=1), stored) == {6, 8}
+    assert resume_stage._full_steps(object(), decision, CarnatorConfig(region_refresh_steps=3), stored) == {6, 8, 10}
 
 
 def test_token_masks_map_back_to_the_latent_cells_they_carry(live_tiny_model):

@@ -140,7 +140,8 @@ def test_with_a_sparse_table_a_region_step_gives_the_target_the_masked_full_step
     the target reaches), then the target alone with its keys cut to the reached blocks: the same target region."""
     runner, probed, decision, payload, config = _crafted_hit(live_tiny_model, store, guidance=guidance)
     decision, _, _ = resume_stage.plan_region(runner, probed, decision, payload, config)
-    target = resume_stage.target_tokens(runner.layout, decision.target_cells, resume_stage.REGION_HALO)
+    cells = resume_stage.region_latent_cells(decision, probed.latent.shape[-3:], config.region_target_mass)
+    target = resume_stage.target_tokens(runner.layout, cells, resume_stage.REGION_HALO)
     reach = reached_key_rows(payload.connectivity, target)
     assert all(0 < len(rows) < target.numel() for rows in reach.values())
     step = decision.resume_step
