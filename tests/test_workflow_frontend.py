@@ -74,7 +74,7 @@ def test_frontend_reads_the_workflow_as_meant_and_runs_it(tmp_path):
         "model": ["1", 0], "cache": ["6", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0],
         "seed": 12345, "steps": 30, "cfg": 6.0, "sampler_name": "euler", "scheduler": "simple", "probe_steps": 3,
         "risk": "balanced", "sparse_attention": True, "attention_density": 1.0,
-        "switch_step": 0, "boundary_sigma": 0.875, "region_only": True}           # widgets added since the workflow was saved: defaults
+        "switch_step": 0, "boundary_sigma": 0.875, "region_only": False}           # widgets added since the workflow was saved: defaults
     assert prompt["6"] == {"class_type": "CarnatorCache", "inputs": {"cache_dir": "", "size_limit_gb": 8.0, "blob_dir": ""},
                            "_meta": prompt["6"].get("_meta")}
     assert result["nodes"]["7"]["widgets"]["control_after_generate"] == "fixed"

@@ -41,7 +41,7 @@ def open_cache(comfy, directory, size_gb=1.0):
 
 def sampler_output(comfy, model, cache, positive, negative, latent, seed=SEED, steps=STEPS, probe_steps=PROBE,
                    risk="balanced", sparse_attention=True, cfg=CFG, sampler_name="euler", unique_id="7", prompt=None,
-                   attention_density=1.0, region_only=True, **experts):
+                   attention_density=1.0, region_only=False, **experts):
     """The Carnator Sampler node's whole output: (latent, decision JSON) and the text it shows on itself."""
     out = node(comfy, "CarnatorSampler")(model, cache, positive, negative, latent, seed, steps, cfg, sampler_name,
                                          "simple", probe_steps, risk, sparse_attention, attention_density,
@@ -543,7 +543,7 @@ def test_split_stage_nodes_probe_lookup_gate_resume(comfy, plugin, counted, cond
 STAGED_SETTINGS = {"gate risk": ({"risk": "safe"}, {}), "gate limit": ({"max_resume_fraction": 0.2}, {}),
                    "dense resume": ({}, {"sparse_attention": False}),
                    "attention density": ({}, {"attention_density": 0.5}),
-                   "whole-clip only": ({}, {"region_only": False})}
+                   "region-only": ({}, {"region_only": True})}
 
 
 def test_a_staged_request_is_served_a_samplers_hit_only_with_the_same_settings(comfy, plugin, counted, conds, latent,
@@ -812,7 +812,7 @@ def test_plugin_loads_through_comfyui_custom_node_loader(comfy, plugin):
     from carnator_engine.pipeline import CarnatorConfig
     for name in ("CarnatorSampler", "CarnatorTrajectoryResume"):   # one region-only default: nodes and engine
         region_only = comfy.NODE_CLASS_MAPPINGS[name].INPUT_TYPES()["optional"]["region_only"][1]["default"]
-        assert region_only is CarnatorConfig().region_only is True
+        assert region_only is CarnatorConfig().region_only is False
     options = comfy.NODE_CLASS_MAPPINGS["CarnatorSampler"].INPUT_TYPES()["required"]["sampler_name"][1]["options"]
     assert options == comfy.NODE_CLASS_MAPPINGS["KSampler"].INPUT_TYPES()["required"]["sampler_name"][0]
     assert module.WEB_DIRECTORY == "./web"

@@ -226,8 +226,10 @@ def test_a_nudge_that_touches_one_region_resumes_region_only(comfy, plugin, host
     assert not first.decision.reuse and decision.reuse and decision.numbers["target_fraction"] == 0      # the gate's threshold marks nothing
     assert decision.numbers["region_only"], decision.reasons
     assert 0 < decision.numbers["region_share"] <= 0.6
-    grid = decision.target_cells.shape
-    assert decision.target_cells[:, : max(1, grid[1] // 4), : max(1, grid[2] // 4)].all()   # the corner is in it
+    from carnator_engine.pipeline import CarnatorConfig
+    from carnator_engine.resume import region_latent_cells
+    cells = region_latent_cells(decision, shape[-3:], CarnatorConfig().region_target_mass)
+    assert cells[:, : max(1, shape[-2] // 4), : max(1, shape[-1] // 4)].all()   # the corner is in it
 
 
 def test_the_kept_keys_budget_reads_comfyuis_free_memory(comfy, plugin, tiny_model, conds, monkeypatch):
