@@ -161,6 +161,7 @@ def run(args):
     out = {**gs.machine_facts(device, version), "setup": args.setup, **setup, "comfyui_args": comfy_args,
            "card_total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
            "params": params, "dtype": str(dtype), "smoke": args.smoke,
+           "stored_dtypes": sorted({str(w.dtype) for m, _ in built for w in m.model.diffusion_model.parameters()}),
            "config": {"steps": n, "probe": p, "resume": k, "cfg": args.cfg, "latent": list(preset["latent"]),
                       "easycache_threshold": args.easycache_threshold, "switch_step": switch},
            "kv_move_s": "not measured", "cases": {}, "skipped": [], "errors": {}}
