@@ -16,8 +16,8 @@ a 2-step warm-up), miss, whole-clip hit, region-only 10 % (the first region-only
 30 %, EasyCache plain, miss + EasyCache (its entry), hit + EasyCache. Each row: seconds, speedup against plain of the
 same run, model calls (diffusion model forwards), peak GPU memory allocated against plain, host memory (the process's
 peak resident set inside the case, and pinned host memory torch allocated) against plain, and the time the compute
-stream spent on weights that ComfyUI streams (CUDA events around comfy.ops.cast_bias_weight of weights not on the
-card, copy and wait included). The time kept keys and values take to move is not measured (left empty).
+stream spent on weights that ComfyUI streams (CUDA events on it around comfy.ops.cast_bias_weight of weights not on
+the card: the copy it waits for, not the part overlapped with compute); compute is the rest. The time kept keys and values take to move is not measured (left empty).
 Region-only is off by default in the product: its rows carry "region_only_default": false.
 
   python3 benchmarks/desk.py --setup wan14b-24gb-fp8 --out benchmarks/results/gpu/desk_wan14b_24gb_fp8_h100.json
@@ -82,7 +82,7 @@ def host_memory():
             if line.startswith("VmHWM:"):
                 peak = int(line.split()[1]) * 1024
     stats = torch.cuda.memory.host_memory_stats() if torch.cuda.is_available() else {}
-    return peak, stats.get("allocated_bytes.all.current")
+    return peak, stats.get("allocated_bytes.current")
 
 
 def reset_peak_rss():
@@ -107,7 +107,7 @@ class WeightMoves:
 
         def cast_bias_weight(s, input=None, dtype=None, device=None, bias_dtype=None):
             target = device if device is not None else (input.device if input is not None else None)
-            if target is None or s.weight.device == torch.device(target):
+            if target is None or s.weight.device.type == torch.device(target).type:   # resident: not moved
                 return moves.original(s, input, dtype, device, bias_dtype)
             moves.calls += 1
             if not moves.cuda:
