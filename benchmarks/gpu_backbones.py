@@ -226,16 +226,16 @@ def noop_self_attention(func, *args, **kwargs):
     return gs.noop_self_attention(func, *args, **kwargs)
 
 
-def plain(models, switch, noise, sigmas, positive, negative, seed, callback=None):
+def plain(models, switch, noise, sigmas, positive, negative, seed, callback=None, cfg=1.0):
     """Plain ComfyUI sampling; with two experts, the template's split: the first returns its latent with the
     leftover noise, the second continues it without adding noise."""
     import comfy.sample
     import comfy.samplers
     if len(models) == 1:
-        return gs.plain_sample(models[0], noise, sigmas, positive, negative, seed, callback)
-    first = gs.plain_sample(models[0], noise, sigmas[:switch + 1], positive, negative, seed, callback)
+        return gs.plain_sample(models[0], noise, sigmas, positive, negative, seed, callback, cfg)
+    first = gs.plain_sample(models[0], noise, sigmas[:switch + 1], positive, negative, seed, callback, cfg)
     sampler = comfy.samplers.sampler_object("euler")
-    return comfy.sample.sample_custom(models[1], torch.zeros_like(noise), 1.0, sampler, sigmas[switch:], positive,
+    return comfy.sample.sample_custom(models[1], torch.zeros_like(noise), cfg, sampler, sigmas[switch:], positive,
                                       negative, first, callback=callback, disable_pbar=True, seed=seed)
 
 

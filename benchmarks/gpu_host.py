@@ -70,12 +70,13 @@ def find_comfyui(explicit):
     return path
 
 
-def import_comfy(path, cpu):
-    """Imports the parts of ComfyUI the sampler path needs, with its argument parser seeing only --cpu."""
+def import_comfy(path, cpu, comfy_args=()):
+    """Imports the parts of ComfyUI the sampler path needs, with its argument parser seeing only --cpu and
+    `comfy_args` (its memory flags, e.g. --reserve-vram 55.2 --lowvram: a creator's card made by ComfyUI itself)."""
     if path not in sys.path:
         sys.path.insert(0, path)
     saved = sys.argv
-    sys.argv = [saved[0]] + (["--cpu"] if cpu else [])
+    sys.argv = [saved[0]] + (["--cpu"] if cpu else []) + list(comfy_args)
     try:
         import comfy.options
         comfy.options.enable_args_parsing()
@@ -112,8 +113,12 @@ def write_report(path: str, out: dict) -> None:
     reports.write(path, {**out, "fa4_failure": fa4.failure()})
 
 
-def build_model(preset, device, dtype, seed):
+def build_model(preset, device, dtype, seed, weight_dtype=None, init_device=None):
     """ComfyUI's WAN21 model (WanModel inside) with random weights, wrapped in a ModelPatcher.
+
+    `weight_dtype` (e.g. torch.float8_e4m3fn): the weights stored in it and cast to `dtype` per layer, as UNETLoader's
+    weight_dtype loads them. `init_device`: where the random values are drawn before they are copied into the weights
+    (the GPU draws a 14B model built on the host in seconds; default: `device`).
 
     The config class copies comfy.supported_models.WAN21_T2V's fields (importing that module would
     import every text encoder, and with them transformers)."""
@@ -143,17 +148,23 @@ def build_model(preset, device, dtype, seed):
                 ffn_dim=preset["ffn"], num_layers=preset["layers"], patch_size=(1, 2, 2), freq_dim=256,
                 window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6, in_dim=16, text_dim=TEXT_DIM)
     config = Wan21T2V(unet)
-    config.set_inference_dtype(dtype, None)
+    if weight_dtype is None:
+        config.set_inference_dtype(dtype, None)
+    else:
+        config.set_inference_dtype(weight_dtype, dtype)
     base = config.get_model({}, "", device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    init_device = device if init_device is None else init_device
+    generator = torch.Generator(device=init_device).manual_seed(seed)
     with torch.no_grad():
         for name, param in base.diffusion_model.named_parameters():
             if "norm" in name and name.endswith(".weight"):
                 param.fill_(1.0)
             elif "norm" in name and name.endswith(".bias"):
                 param.zero_()
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+            else:   # drawn in a dtype normal_ takes (fp8 takes none), then copied in
+                draw = dtype if param.dtype.itemsize == 1 else param.dtype
+                param.copy_(torch.empty(param.shape, dtype=draw, device=init_device).normal_(0.0, 0.02,
+                                                                                             generator=generator))
     params = sum(p.numel() for p in base.diffusion_model.parameters())
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
                                                offload_device=mm.unet_offload_device())
