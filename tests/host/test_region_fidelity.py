@@ -62,11 +62,9 @@ def test_a_region_only_hit_leaves_the_rest_of_the_clip_as_the_cached_generation(
     assert whole.decision.reuse and whole.decision.resume_step == region.decision.resume_step
     assert 0 < region.decision.numbers["region_share"] < 0.5
 
-    from carnator_engine.localize import latent_mask, region_cells
     from carnator_engine.region import target_tokens
-    from carnator_engine.resume import REGION_HALO
-    cells = latent_mask(region.decision.target_cells, SHAPE[-3:]) | \
-        latent_mask(region_cells(region.decision.cell_map, CarnatorConfig().region_target_mass), SHAPE[-3:])
+    from carnator_engine.resume import REGION_HALO, region_latent_cells
+    cells = region_latent_cells(region.decision, SHAPE[-3:], CarnatorConfig().region_target_mass)
     computed = latent_mask_of_tokens(edit.layout, target_tokens(edit.layout, cells, REGION_HALO), SHAPE[-3:])
     outside = ~computed
     # outside the region (its ring excluded): the cached clip itself, where a whole-clip hit is only near it
@@ -77,3 +75,37 @@ def test_a_region_only_hit_leaves_the_rest_of_the_clip_as_the_cached_generation(
     assert float(((region.latent - plain)[..., inside] ** 2).mean()) < float(((cached - plain)[..., inside] ** 2).mean())
     # the whole result: within 3 dB of the whole-clip hit's distance to plain sampling of the edit
     assert _psnr(region.latent, plain) >= _psnr(whole.latent, plain) - 3.0
+
+
+def test_through_the_staged_chain_a_region_only_hit_leaves_the_rest_as_the_cached_clip(comfy, plugin, tiny_model,
+                                                                                     tmp_path):
+    """The same edit through the staged nodes (Early Probe -> Signature Cache Lookup -> Compatibility Gate ->
+    Trajectory Resume with region_only on), as ComfyUI's executor runs them."""
+    import json
+    from carnator_engine.pipeline import CarnatorConfig
+    from carnator_engine.region import latent_mask_of_tokens, target_tokens
+    from carnator_engine.resume import REGION_HALO, region_latent_cells
+    from test_comfyui_host import node, open_cache
+    cache = open_cache(comfy, tmp_path / "cache")
+    negative, latent = hostsetup.conditioning(2), hostsetup.empty_video_latent(comfy)
+
+    def staged(positive, region_only):
+        probe = node(comfy, "CarnatorEarlyProbe")(tiny_model, positive, negative, latent, SEED, STEPS, 5.0, "euler",
+                                                  "simple", PROBE, 64)[0]
+        matches = node(comfy, "CarnatorSignatureCacheLookup")(cache, probe, 3).result[0]
+        decision = node(comfy, "CarnatorCompatibilityGate")(probe, matches, "balanced").result[0]
+        out = node(comfy, "CarnatorTrajectoryResume")(cache, probe, decision, True, region_only=region_only)
+        cache.writer.settle()
+        return out.result[0]["samples"], json.loads(out.result[1]), decision.decision
+    cached, first, _ = staged(_masked(comfy, 3), False)
+    edited, summary, decision = staged(_masked(comfy, 4), True)
+    assert not first["reuse"] and summary["reuse"] and summary["numbers"]["region_only"], summary["reasons"]
+    fhw = tuple(cached.shape[-3:])
+    from carnator_engine.hosts.comfyui import ComfyRunner
+    runner = ComfyRunner(tiny_model, _masked(comfy, 4), negative, 5.0, "euler", "simple", steps=STEPS, seed=SEED)
+    cells = region_latent_cells(decision, fhw, CarnatorConfig().region_target_mass)
+    outside = ~latent_mask_of_tokens(runner.layout, target_tokens(runner.layout, cells, REGION_HALO), fhw)
+    assert bool(outside.any())
+    # the node's latent is in the latent format ComfyUI stores; the cached clip came out of the same node
+    assert torch.equal(edited[..., outside], cached[..., outside])
+    assert not torch.equal(edited[..., ~outside], cached[..., ~outside])
