@@ -29,9 +29,9 @@ import torch
 
 from . import gate as gate_module
 from . import resume as resume_stage
+from .fingerprint import hash_values
 from .store.index import (HELD_BUCKET, Candidate, bucket_difference, bucket_key, bucket_parts,
                           incomparable_bucket, nearest)
-from .fingerprint import hash_values
 from .observer import CheckpointRecorder, GenerationObserver
 from .preview import thumbnail_png
 from .resume import follow_entry
