@@ -45,6 +45,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: the preset's, 50 real)")
     parser.add_argument("--probe", type=int, default=None, help="probe steps (default: the preset's, 5 real)")
+    parser.add_argument("--risk", default="balanced", choices=("safe", "balanced", "aggressive"),
+                        help="the miss's risk level: at 8 steps or fewer only aggressive records the connectivity")
     args = parser.parse_args(argv)
     preset = PRESETS["smoke" if args.smoke else "real"]
     args.steps, args.probe = args.steps or preset["steps"], args.probe or preset["probe"]
@@ -145,9 +147,10 @@ def run(args):
     import comfy.model_management
     import comfy.sample
     import comfy.sampler_helpers
-    from carnator_engine import pipeline
+    from carnator_engine import pipeline, resume
     from carnator_engine.attention.connectivity import ConnectivityRecorder
     from carnator_engine.hosts.comfyui import ComfyRunner
+    from carnator_engine.observer import CheckpointRecorder
     from carnator_engine.pipeline import CarnatorConfig, generate
     from carnator_engine.store import CarnatorStore
 
@@ -158,7 +161,7 @@ def run(args):
     noise = torch.randn(tuple(preset["latent"]), generator=gen)
     context = torch.randn(1, preset["text_len"], TEXT_DIM, generator=gen)
     positive, negative = [[context, {}]], [[torch.zeros_like(context), {}]]
-    config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=0.3)
+    config = CarnatorConfig(probe_steps=p, block_size=preset["block_size"], max_density=0.3, risk=args.risk)
     sigmas = ComfyRunner.schedule(model, "euler", "simple", n)
     store_root = tempfile.mkdtemp(prefix="carnator_miss_profile_")
     events = StepEvents(cuda)
@@ -167,12 +170,21 @@ def run(args):
         "load_models_gpu": (comfy.model_management, "load_models_gpu"),
         "prepare_sampling": (comfy.sampler_helpers, "prepare_sampling"),
         "ComfyRunner._patched_clone": (ComfyRunner, "_patched_clone"),
+        "ComfyRunner.run": (ComfyRunner, "run"),
         "pipeline.request_identity": (pipeline, "request_identity"),
+        "pipeline._repeated": (pipeline, "_repeated"),
+        "pipeline.new_bucket_reasons": (pipeline, "new_bucket_reasons"),
+        "pipeline.warm_denoised_projection": (pipeline, "warm_denoised_projection"),
+        "resume.finish": (resume, "finish"),
         "pipeline.replay": (pipeline, "replay"),
         "pipeline.lookup": (pipeline, "lookup"),
         "pipeline.decide": (pipeline, "decide"),
         "pipeline._queue_write": (pipeline, "_queue_write"),
         "SignatureRecorder.signature": (pipeline.SignatureRecorder, "signature"),
+        "SignatureRecorder.block_output": (pipeline.SignatureRecorder, "block_output"),
+        "SignatureRecorder.self_attention": (pipeline.SignatureRecorder, "self_attention"),
+        "SignatureRecorder.denoised": (pipeline.SignatureRecorder, "denoised"),
+        "CheckpointRecorder.record": (CheckpointRecorder, "record"),
         "ConnectivityRecorder.self_attention": (ConnectivityRecorder, "self_attention"),
         "ConnectivityRecorder.tensors": (ConnectivityRecorder, "tensors"),
         "runner.preview": (ComfyRunner, "preview"),
@@ -180,7 +192,7 @@ def run(args):
     stores = []
     out = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "comfyui_version": version, "params": params, "dtype": str(dtype),
-           "config": {"steps": n, "probe": p, "latent": list(preset["latent"]), "repeats": args.repeats},
+           "config": {"steps": n, "probe": p, "risk": args.risk, "latent": list(preset["latent"]), "repeats": args.repeats},
            "runs": []}
 
     def plain():
@@ -265,10 +277,12 @@ def print_report(out):
     for name, value in s.items():
         if name.startswith("extra_ms_"):
             print(f"| {name[len('extra_ms_'):]} | {value:+.1f} |")
-    for name, value in (out["runs"][-1]["miss_calls"] if out["runs"] else {}).items():
-        plain_value = out["runs"][-1]["plain_calls"].get(name, {"calls": 0, "ms": 0.0})
-        print(f"  {name}: miss {value['calls']} calls {value['ms']} ms, plain {plain_value['calls']} calls "
-              f"{plain_value['ms']} ms")
+    for name, value in (out["runs"][-1]["miss_calls"] if out["runs"] else {}).items():   # medians over the runs
+        times = {case: median([run[case + "_calls"].get(name, {"ms": 0.0})["ms"] for run in out["runs"]])
+                 for case in ("miss", "plain")}
+        plain_calls = out["runs"][-1]["plain_calls"].get(name, {"calls": 0})["calls"]
+        print(f"  {name}: miss {value['calls']} calls {times['miss']:.2f} ms, plain {plain_calls} calls "
+              f"{times['plain']:.2f} ms")
     for name, summary in out.get("profiled", {}).items():
         runtime = ", ".join(f"{k} {v['count']}x {v['cpu_ms']} ms" for k, v in sorted(summary["runtime"].items()))
         print(f"profiled {name}: {summary['seconds']:.3f} s, GPU kernels {summary['gpu_kernel_ms']} ms; {runtime}")

@@ -10,7 +10,7 @@ import hashlib
 
 import torch
 
-from .fingerprint import module_fingerprint
+from .fingerprint import hash_values, module_fingerprint
 from .schedule import denoised_from_velocity
 
 
@@ -31,7 +31,7 @@ class TinyDiTRunner:
         self.counts_forwards = True     # one batched forward per step (velocity)
         digest = hashlib.sha256()
         for tensor in self.text:
-            digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+            hash_values(digest, tensor)
         self.request_fingerprint = digest.hexdigest()
 
     @staticmethod

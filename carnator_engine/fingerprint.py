@@ -10,6 +10,12 @@ import hashlib
 import torch
 
 
+def hash_values(digest, tensor: torch.Tensor) -> None:
+    """Adds a tensor's values to `digest` as float32 bytes. Hashed where they lie: a copy of a video's noise or a
+    prompt's encoding (8 MB for Wan's) would cost most of what hashing it does, on every request."""
+    digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy())
+
+
 def module_fingerprint(module: torch.nn.Module, extra: str = "", sample_bytes: int = 1 << 16) -> str:
     """Hash of every parameter's name, shape, dtype and a strided sample of its values.
 
@@ -23,6 +29,5 @@ def module_fingerprint(module: torch.nn.Module, extra: str = "", sample_bytes: i
         if flat.numel() == 0:
             continue
         stride = max(1, flat.numel() * flat.element_size() // sample_bytes)
-        sample = flat[::stride].to("cpu", torch.float32).contiguous()
-        digest.update(sample.numpy().tobytes())
+        hash_values(digest, flat[::stride])
     return digest.hexdigest()[:24]

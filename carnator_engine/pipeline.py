@@ -29,6 +29,7 @@ import torch
 
 from . import gate as gate_module
 from . import resume as resume_stage
+from .fingerprint import hash_values
 from .store.index import (HELD_BUCKET, Candidate, bucket_difference, bucket_key, bucket_parts,
                           incomparable_bucket, nearest)
 from .attention.sparse import tiled_block_size
@@ -250,7 +251,7 @@ def request_identity(runner, noise: torch.Tensor, sigmas: torch.Tensor) -> tuple
     seed) and the noise itself, whole."""
     bucket = bucket_key(runner.model_fingerprint, noise.shape, sigmas, runner.sampler, _start_image(runner))
     digest = hashlib.sha256(f"{bucket}|{runner.request_fingerprint}|".encode())
-    digest.update(noise.detach().to("cpu", torch.float32).contiguous().numpy())   # hashed in place, not copied
+    hash_values(digest, noise)
     return bucket, digest.hexdigest()[:32]
 
 

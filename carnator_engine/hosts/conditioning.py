@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from ..fingerprint import hash_values
+
 # conditioning options that carry an image (or its mask / CLIP vision encoding) rather than the prompt's text
 IMAGE_OPTIONS = ("concat_latent_image", "concat_mask", "concat_mask_index", "concat_image", "clip_vision_output",
                  "reference_latents", "time_dim_concat", "ref_latent", "guiding_frame_index")
@@ -28,7 +30,7 @@ def _digest(digest, value, depth: int = 0) -> None:
     elif torch.is_tensor(value):
         digest.update(f"T{tuple(value.shape)}{value.dtype}".encode())
         if value.numel():
-            digest.update(value.detach().reshape(-1).to("cpu", torch.float32).contiguous().numpy().tobytes())
+            hash_values(digest, value.reshape(-1))
     elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         digest.update(repr(value).encode())
     elif isinstance(value, (list, tuple)):

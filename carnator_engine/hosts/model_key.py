@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ..fingerprint import module_fingerprint
+from ..fingerprint import hash_values, module_fingerprint
 
 MAX_DEPTH = 12
 WHOLE_TENSOR = 1 << 16          # option tensors up to this many elements are hashed whole,
@@ -182,7 +182,7 @@ class _Walk:
         self._text(f"T{tuple(value.shape)}{value.dtype}")
         if flat.numel():
             sample = flat if flat.numel() <= WHOLE_TENSOR else flat[::flat.numel() // SAMPLED]
-            self.digest.update(sample.to("cpu", torch.float32).contiguous().numpy().tobytes())
+            hash_values(self.digest, sample)
 
     def _function(self, path: str, function: types.FunctionType, depth: int) -> None:
         self._text(f"fn:{portable_module_name(function.__module__ or '')}.{function.__qualname__}")

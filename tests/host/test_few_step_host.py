@@ -59,13 +59,34 @@ def test_a_4_step_lora_run_misses_hits_at_aggressive_repeats_and_a_strength_chan
     assert repeat["exact_repeat"] and full.take() == 0
 
 
-    half = CallCounter(with_lora(comfy, host_dirs, tiny_model, 0.5))
-    other, text = shown(comfy, half.model, cache, nudged(positive), negative, latent)
-    assert not other["reuse"] and half.take() == STEPS
-    assert "differs in model/patches (weights, LoRAs or their strengths)" in other["why"], other["reasons"]
-    assert text.startswith("Carnator MISS") and "LoRAs or their strengths" in text, text
-    buckets = {cache.record(e).bucket for e in (miss["stored_as"], other["stored_as"])}
-    assert len(buckets) == 2                                                   # its own bucket, never the other's
+
+def test_a_turbo_lora_and_its_strength_are_the_model_a_reload_shares_entries_another_strength_or_none_never(
+        comfy, plugin, tiny_model, host_dirs, conds, latent, tmp_path):
+    positive, negative = conds
+    cache = open_cache(comfy, tmp_path / "cache")
+    full = CallCounter(with_lora(comfy, host_dirs, tiny_model, 1.0))
+    _, miss = four_steps(comfy, full.model, cache, positive, negative, latent)
+    assert not miss["reuse"] and full.take() == STEPS
+
+    reloaded = CallCounter(with_lora(comfy, host_dirs, tiny_model, 1.0))       # the same LoRA at the same strength,
+    _, repeat = four_steps(comfy, reloaded.model, cache, positive, negative, latent)   # loaded again: one model
+    assert repeat["exact_repeat"] and repeat["entry_id"] == miss["stored_as"] and reloaded.take() == 0
+    _, hit = four_steps(comfy, reloaded.model, cache, nudged(positive), negative, latent, risk="aggressive")
+    assert hit["reuse"] and hit["entry_id"] == miss["stored_as"], hit["reasons"]
+    reloaded.take()
+
+    buckets = {cache.record(miss["stored_as"]).bucket}
+    for label, other in (("strength 0.5", CallCounter(with_lora(comfy, host_dirs, tiny_model, 0.5))),
+                         ("no LoRA", CallCounter(tiny_model))):
+        same_prompt, text = shown(comfy, other.model, cache, positive, negative, latent)   # a repeat if one model
+        assert not same_prompt["reuse"] and not same_prompt["exact_repeat"] and other.take() == STEPS, label
+        assert "differs in model/patches (weights, LoRAs or their strengths)" in same_prompt["why"], label
+        assert text.startswith("Carnator MISS") and "LoRAs or their strengths" in text, (label, text)   # on the node
+        _, near = four_steps(comfy, other.model, cache, nudged(positive), negative, latent, risk="aggressive")
+        assert near.get("entry_id") != miss["stored_as"], (label, near["reasons"])   # its own entry at most
+        other.take()
+        buckets.add(cache.record(same_prompt["stored_as"]).bucket)
+    assert len(buckets) == 3                                                   # each its own bucket
 
 
 @pytest.mark.parametrize("sampler_name, scheduler", [("euler", "beta"), ("euler", "sgm_uniform"), ("lcm", "simple"),
