@@ -76,7 +76,7 @@ class RegionTokens:
         self.reach = dict(reach or {})
         self.text_tokens: Optional[int] = None
         self.tokens_through_blocks = 0   # rows the first block received over the run (tests, benchmarks)
-        self.region_steps_run = 0   # steps that ran the target tokens only
+        self.cut_steps: set = set()   # the steps that ran the target tokens only
         self.missing = ""           # why a region step ran without the others' keys and values ("" if never)
         self.failed = ""            # how the region steps failed, if they did (resume: whole clip from step k)
         self.fallback: Optional[RegionFallback] = None   # why the region steps stopped and the rest ran whole-clip
@@ -100,7 +100,12 @@ class RegionTokens:
             why = self.keys_values.plan(len(self.kept) / self.length)
             if why:
                 self.stop(why)
-        self.region_steps_run += int(self.active)
+        if self.active:
+            self.cut_steps.add(step)
+
+    @property
+    def region_steps_run(self) -> int:
+        return len(self.cut_steps)
 
     def stop(self, why: RegionFallback) -> None:
         """No more region steps: the rest of the run goes through every token (its keys and values are freed)."""

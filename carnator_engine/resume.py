@@ -252,18 +252,21 @@ def region_only_steps(runner, x: torch.Tensor, sigmas: torch.Tensor, k: int, pay
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return None
-    if not len(region.others) or region.fallback:    # after a fallback every token was computed: nothing to join
+    if not len(region.others):      # every token was the target's: nothing to join
         return own
-    if observer.checkpoints is not None:
-        _join_checkpoints(observer.checkpoints.latents, payload.checkpoints, inside)
+    if observer.checkpoints is not None and region.cut_steps:   # also before a fallback, once region steps ran
+        _join_checkpoints(observer.checkpoints.latents, payload.checkpoints, inside, max(region.cut_steps) + 1)
+    if region.fallback:             # every token was computed from the fallback on: the result is the sampler's
+        return own
     return torch.where(inside.to(own.device)[None, None], own, payload.final.to(own.device, own.dtype))
 
 
-def _join_checkpoints(recorded: dict, cached: dict, inside: torch.Tensor) -> None:
-    """The new entry's checkpoints after a region-only resume: the region as this request computed it, every other
-    token the cached checkpoint of the same step (the sampler's latent there was not computed); a step the cached
-    entry kept no checkpoint of is dropped."""
-    for step in list(recorded):
+def _join_checkpoints(recorded: dict, cached: dict, inside: torch.Tensor, until: int) -> None:
+    """The new entry's checkpoints up to step `until` (the one after the last region step): the region as this request
+    computed it, every other token the cached checkpoint of the same step (the sampler's latent there was not
+    computed); a step the cached entry kept no checkpoint of is dropped. Later ones (every token computed after a
+    fallback) stay as recorded."""
+    for step in [s for s in recorded if s <= until]:
         if step not in cached:
             del recorded[step]
             continue

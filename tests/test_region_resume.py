@@ -402,3 +402,34 @@ def test_a_gate_that_may_resume_further_never_resumes_at_a_refresh_checkpoint(li
     assert kept == checkpoint_steps(STEPS, 2, CarnatorConfig().max_checkpoints)
     assert any(s > latest_resume_checkpoint(STEPS) for s in kept)
     assert decision.resume_step == latest_resume_checkpoint(STEPS) < int(0.9 * STEPS)
+
+
+def test_after_a_fallback_in_a_later_segment_the_checkpoints_before_it_are_the_cached_ones_outside(
+        live_tiny_model, store, monkeypatch):
+    """The kept keys' plan fails at a refresh's segment: the region steps before it left the sampler's latent
+    outside the region uncomputed, so the checkpoints they lead into are the cached ones there; from the fallback on
+    every token is computed and kept as recorded."""
+    from carnator_engine.gate import RegionFallback
+    from carnator_engine.kept_kv import KeptKeysValues
+    from carnator_engine.observer import CheckpointRecorder
+    runner, probed, decision, config = _hit(live_tiny_model, store, region_only=True, region_max_share=1.0,
+                                            region_refresh_steps=1)
+    payload = store.trajectory(store.record(decision.entry_id))
+    planned, region, _ = resume_stage.plan_region(runner, probed, _early(decision), payload, config)
+    k, refresh = planned.resume_step, max(region.full_steps)
+    assert refresh > k + 1
+    original, plans = KeptKeysValues.plan, []
+
+    def plan(self, share):
+        plans.append(share)
+        return RegionFallback("no room", "no room: whole-clip resume") if len(plans) == 2 else original(self, share)
+    monkeypatch.setattr(KeptKeysValues, "plan", plan)
+    observer = GenerationObserver(checkpoints=CheckpointRecorder(frozenset(range(k + 1, STEPS))))
+    resume_stage.follow_entry(runner, probed, planned, payload, config, observer, region)
+    assert region.fallback and max(region.cut_steps) == refresh - 1
+    kept = observer.checkpoints.latents
+    outside = ~latent_mask_of_tokens(runner.layout, region.target, probed.latent.shape[-3:])
+    for step in range(k + 2, refresh + 1):          # entered after a region step
+        if step in kept:
+            assert torch.equal(kept[step][..., outside], payload.checkpoints[step].to(kept[step].dtype)[..., outside])
+    assert sorted(s for s in kept if s > refresh) == list(range(refresh + 1, STEPS))   # kept as recorded
